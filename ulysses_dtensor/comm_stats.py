@@ -1,0 +1,65 @@
+"""Count collectives and the bytes they move, for tests and benchmarks.
+
+A TorchDispatchMode sees every functional collective (forward and the ones
+autograd issues in backward) with its real input tensor, so counts and byte
+totals come from what actually ran, not from a formula.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that only wait for or describe a collective; not traffic.
+_NOT_TRAFFIC = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
+@dataclass
+class CollectiveRecord:
+    op: str
+    input_bytes: int
+    group_size: int
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes that leave this rank (the chunk kept locally by an all-to-all is free)."""
+        if self.op == "all_to_all_single":
+            return self.input_bytes * (self.group_size - 1) // self.group_size
+        return self.input_bytes
+
+
+@dataclass
+class CollectiveCounter(TorchDispatchMode):
+    records: list[CollectiveRecord] = field(default_factory=list)
+
+    def __post_init__(self):
+        super().__init__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "_c10d_functional":
+            name = func._overloadpacket.__name__
+            if name not in _NOT_TRAFFIC:
+                tensor = args[0]
+                tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                group = _as_group(kwargs.get("group_name", args[-1]))
+                self.records.append(CollectiveRecord(name, nbytes, group.size()))
+        return func(*args, **kwargs)
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(r.op for r in self.records))
+
+    def sent_bytes(self, op: str | None = None) -> int:
+        return sum(r.sent_bytes for r in self.records if op is None or r.op == op)
+
+    def input_bytes(self, op: str | None = None) -> int:
+        return sum(r.input_bytes for r in self.records if op is None or r.op == op)
+
+
+def _as_group(group):
+    # Functional collectives pass a group name; some paths pass the group itself.
+    return _resolve_process_group(group) if isinstance(group, str) else group

@@ -1,0 +1,152 @@
+"""Parallel degrees and the 3-D device mesh ``(dp_replicate, dp_shard, sp)``.
+
+The ``sp`` ranks of one group hold the same sample and the same parameters, so
+parameters are sharded by FSDP2 over the flattened ``dp_shard x sp`` mesh and
+replicated over ``dp_replicate``. Data is loaded per ``dp_replicate x dp_shard``
+rank, and the loss (a token count) is reduced over every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "sp")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of data replication, data sharding and sequence parallelism.
+
+    ``dp_shard=-1`` takes whatever the world size leaves after ``dp_replicate``
+    and ``sp``. ``world_size`` defaults to the initialised process group's.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    sp: int = 1
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size is None:
+            if not dist.is_initialized():
+                raise ValueError(
+                    "ParallelDims needs world_size= when no process group is initialised"
+                )
+            self.world_size = dist.get_world_size()
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("dp_replicate", "sp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallelism.{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
+            raise ValueError(
+                f"parallelism.dp_shard={self.dp_shard!r} must be an integer >= 1, "
+                "or -1 for what the world size leaves"
+            )
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size} must be >= 1")
+        if self.dp_shard == -1:
+            rest = self.dp_replicate * self.sp
+            if self.world_size % rest:
+                raise ValueError(
+                    f"world_size={self.world_size} is not divisible by "
+                    f"dp_replicate*sp={self.dp_replicate}*{self.sp}={rest}, so dp_shard=-1 "
+                    f"cannot be resolved; use dp_replicate*sp among the divisors of "
+                    f"{self.world_size}: {_divisors(self.world_size)}"
+                )
+            self.dp_shard = self.world_size // rest
+        product = self.dp_replicate * self.dp_shard * self.sp
+        if product != self.world_size:
+            raise ValueError(
+                f"dp_replicate*dp_shard*sp = {self.dp_replicate}*{self.dp_shard}*{self.sp} "
+                f"= {product} does not match world_size={self.world_size}; the product "
+                f"must equal the world size (set dp_shard=-1 to fill it)"
+            )
+
+    # Degrees derived from the three named ones.
+    @property
+    def dp(self) -> int:
+        """Number of distinct data streams (samples read in parallel)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Size of the mesh that shards parameters (dp_shard x sp)."""
+        return self.dp_shard * self.sp
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.sp > 1
+
+    def build_mesh(self, device_type: str) -> "ParallelMesh":
+        """Build the 3-D mesh (size-1 dims kept) and its flattened sub-meshes."""
+        mesh = init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.dp_shard, self.sp),
+            mesh_dim_names=MESH_DIM_NAMES,
+        )
+        return ParallelMesh(self, mesh)
+
+
+class ParallelMesh:
+    """The 3-D mesh plus the flattened views the rest of the system uses.
+
+    Flattened meshes are created once and cached by the root mesh, so asking
+    for them twice does not create new process groups.
+    """
+
+    def __init__(self, dims: ParallelDims, mesh: DeviceMesh):
+        self.dims = dims
+        self.mesh = mesh
+
+    def __getitem__(self, name):
+        return self.mesh[name]
+
+    @property
+    def sp(self) -> DeviceMesh:
+        return self.mesh["sp"]
+
+    @cached_property
+    def fsdp(self) -> DeviceMesh:
+        """1-D mesh over which FSDP2 shards parameters: dp_shard x sp."""
+        return self.mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+
+    @cached_property
+    def hsdp(self) -> DeviceMesh:
+        """2-D mesh for HSDP: replicate over dp_replicate, shard over dp_shard x sp."""
+        self.fsdp  # noqa: B018 - registers the flattened dim on the root mesh
+        return self.mesh["dp_replicate", "dp_shard_sp"]
+
+    @property
+    def param_mesh(self) -> DeviceMesh:
+        """The mesh for ``fully_shard``: HSDP when data is also replicated."""
+        return self.hsdp if self.dims.dp_replicate > 1 else self.fsdp
+
+    @cached_property
+    def dp(self) -> DeviceMesh:
+        """1-D mesh of data-loading ranks: dp_replicate x dp_shard."""
+        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+    @cached_property
+    def loss(self) -> DeviceMesh:
+        """1-D mesh over every rank, for global token counts and loss sums."""
+        return self.mesh._flatten("world")
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data stream this rank reads (equal on the sp ranks of a group)."""
+        return self.dp.get_local_rank()
+
+    @property
+    def sp_rank(self) -> int:
+        return self.sp.get_local_rank()
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

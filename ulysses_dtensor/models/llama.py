@@ -1,0 +1,450 @@
+"""A Llama-3-style decoder written for sequence parallelism.
+
+Every block works on this rank's slice of the sequence, ``(batch, seq/sp, dim)``.
+The only place that needs the whole sequence is ``attention.inner`` (a
+:class:`~ulysses_dtensor.attention.LocalAttention`), which is what
+:class:`~ulysses_dtensor.ulysses.UlyssesAttention` is applied to.
+
+Rotary embeddings are computed on the fly from ``position_ids`` (there is no
+``max_seq_len`` table: sequences reach millions of tokens), in float64 so the
+angle of position 10^6 is still exact to float32, and applied on the local
+slice before the exchange. With global position ids (``shard_batch`` gives
+them) rope on a slice equals rope on the full sequence.
+
+Typical life cycle::
+
+    with torch.device("meta"):
+        model = Llama(llama_args("llama3_8b"))
+    model = parallelize_llama(model, pmesh, ...)
+    model.to_empty(device="cuda")
+    model.init_weights(seed=0)       # same full weights whatever the mesh
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import LocalAttention, check_backend
+
+__all__ = [
+    "FLAVORS",
+    "Llama",
+    "LlamaArgs",
+    "apply_rope",
+    "llama_args",
+    "rope_cos_sin",
+    "rope_frequencies",
+]
+
+
+@dataclass
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_dim: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama-3.1 long-context frequency scaling (off: plain rope with rope_theta).
+    rope_scaling: bool = True
+    tie_embeddings: bool = False
+    attn_backend: str = "sdpa"
+    # Parameters of the Llama-3.1 scaling. Llama 3.1 uses factor 8; the tied
+    # Llama 3.2 1B/3B checkpoints use factor 32.
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+
+    def __post_init__(self) -> None:
+        check_backend(self.attn_backend)
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"LlamaArgs.{name}={value!r} must be an integer >= 1")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"LlamaArgs.dim={self.dim} must be divisible by n_heads={self.n_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even for rope"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LlamaArgs.n_heads={self.n_heads} must be a multiple of "
+                f"n_kv_heads={self.n_kv_heads} (GQA)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+FLAVORS: dict[str, LlamaArgs] = {
+    # Tiny: trains on CPU in tests. head_dim 8, GQA 2:1.
+    "debug": LlamaArgs(
+        dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=512, ffn_dim=192
+    ),
+    # kv heads 2 < sp 4 or 8: exercises kv-head replication in Ulysses.
+    "debug_gqa": LlamaArgs(
+        dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=512, ffn_dim=192
+    ),
+    # Llama 3.2 1B / 3B (tied embeddings, rope scaling factor 32).
+    "llama3_1b": LlamaArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
+        tie_embeddings=True, rope_scaling_factor=32.0,
+    ),
+    "llama3_3b": LlamaArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
+        tie_embeddings=True, rope_scaling_factor=32.0,
+    ),
+    # Llama 3.1 8B / 70B.
+    "llama3_8b": LlamaArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336
+    ),
+    "llama3_70b": LlamaArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_dim=28672
+    ),
+}
+
+
+def llama_args(flavor: str, **overrides) -> LlamaArgs:
+    """The args of a named flavor, with fields replaced by ``overrides``."""
+    if flavor not in FLAVORS:
+        raise ValueError(_unknown("model flavor", flavor, FLAVORS))
+    fields = {f.name for f in dataclasses.fields(LlamaArgs)}
+    for key in overrides:
+        if key not in fields:
+            raise ValueError(_unknown(f"LlamaArgs field (override for {flavor!r})", key, fields))
+    return dataclasses.replace(FLAVORS[flavor], **overrides)
+
+
+def _unknown(what: str, name, valid) -> str:
+    valid = sorted(valid)
+    msg = f"unknown {what} {name!r}; valid: {', '.join(valid)}"
+    close = difflib.get_close_matches(str(name), valid, n=1)
+    if close:
+        msg += f" (did you mean {close[0]!r}?)"
+    return msg
+
+
+# ---------------------------------------------------------------------------
+# Rotary embeddings, computed from position ids
+# ---------------------------------------------------------------------------
+
+
+def rope_frequencies(args: LlamaArgs, device=None) -> Tensor:
+    """Inverse frequencies ``(head_dim/2,)`` in float64, Llama-3.1 scaled if enabled.
+
+    Wavelengths shorter than ``original_max_len / high_freq_factor`` are kept,
+    longer than ``original_max_len / low_freq_factor`` are divided by
+    ``rope_scaling_factor``, and those in between are interpolated smoothly.
+    """
+    hd = args.head_dim
+    inv_freq = args.rope_theta ** (
+        -torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd
+    )
+    if not args.rope_scaling:
+        return inv_freq
+    factor = args.rope_scaling_factor
+    low, high, orig = args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_original_max_len
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((orig / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    # smooth = 1 for short wavelens (kept), 0 for long ones (divided by factor).
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_cos_sin(position_ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """``(B, S)`` positions -> float32 ``cos, sin`` of shape ``(B, S, head_dim/2)``.
+
+    Angles are formed in float64: at position 10^6 a float32 product would be
+    off by up to 0.06 rad.
+    """
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq.to(position_ids.device)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate consecutive pairs ``(x[2i], x[2i+1])`` of ``x: (B, S, H, D)`` (Meta's layout)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+# ---------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 whatever the activation dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Sees (B, S, H, D) q/k/v. Under Ulysses: the full sequence, H/sp heads.
+        self.inner = LocalAttention(args.attn_backend)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.inner(q, k, v, document_ids=document_ids)
+        return self.wo(out.reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: LlamaArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, document_ids)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer; every tensor but ``document_ids`` is this rank's slice."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Set by parallelize_llama when sp > 1: default position ids are then
+        # this rank's global offsets.
+        self.sp_mesh = None
+
+    # -- forward -------------------------------------------------------------
+
+    def _default_position_ids(self, input_ids: Tensor) -> Tensor:
+        b, s = input_ids.shape
+        offset = 0
+        if self.sp_mesh is not None:
+            offset = self.sp_mesh.get_local_rank() * s
+        return (torch.arange(s, device=input_ids.device) + offset).expand(b, s)
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Final normed hidden states ``(B, s_local, dim)`` (no output projection)."""
+        if position_ids is None:
+            position_ids = self._default_position_ids(input_ids)
+        if position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"position_ids {tuple(position_ids.shape)} must match input_ids "
+                f"{tuple(input_ids.shape)} (both this rank's slice)"
+            )
+        cos, sin = rope_cos_sin(position_ids, rope_frequencies(self.args, input_ids.device))
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, document_ids)
+        return self.norm(h)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Logits ``(B, s_local, vocab)`` for this rank's tokens.
+
+        ``position_ids``: (B, s_local) GLOBAL positions (``shard_batch`` gives
+        them); default ``arange`` offset by this rank's slice. ``document_ids``:
+        (B, S_full) for packed-document masking, or None for plain causal.
+        """
+        return self.output(self.hidden_states(input_ids, position_ids, document_ids))
+
+    # -- sizes ---------------------------------------------------------------
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count (full, unsharded; tied weights counted once).
+
+        ``exclude_embeddings`` drops the input embedding table (a lookup, no
+        FLOPs) unless it is tied to the output projection.
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and not self.args.tie_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int, causal: bool = True) -> int:
+        """Model FLOPs per trained token (forward + backward), for MFU.
+
+        ``6 * N`` for the matmuls (N without the embedding lookup) plus
+        attention scores and values: per layer and token ``2 * 2 * seq * H*hd``
+        forward, times 3 for training, halved when causal.
+        """
+        a = self.args
+        attn = 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+        if causal:
+            attn //= 2
+        return 6 * self.num_params(exclude_embeddings=True) + attn
+
+    # -- init ----------------------------------------------------------------
+
+    def _init_plan(self):
+        """(name, parameter, kind, std) for every parameter, in a fixed order."""
+        a = self.args
+        emb_std = a.dim**-0.5 if a.tie_embeddings else 1.0
+        yield "tok_embeddings.weight", self.tok_embeddings.weight, "normal", emb_std
+        for i in range(a.n_layers):
+            layer = self.layers[str(i)]
+            depth_std = 0.02 / math.sqrt(2 * (i + 1))
+            pre = f"layers.{i}."
+            yield pre + "attention_norm.weight", layer.attention_norm.weight, "ones", 0.0
+            yield pre + "ffn_norm.weight", layer.ffn_norm.weight, "ones", 0.0
+            att, ff = layer.attention, layer.feed_forward
+            for n in ("wq", "wk", "wv"):
+                yield pre + f"attention.{n}.weight", getattr(att, n).weight, "trunc_normal", 0.02
+            yield pre + "attention.wo.weight", att.wo.weight, "trunc_normal", depth_std
+            yield pre + "feed_forward.w1.weight", ff.w1.weight, "trunc_normal", 0.02
+            yield pre + "feed_forward.w2.weight", ff.w2.weight, "trunc_normal", depth_std
+            yield pre + "feed_forward.w3.weight", ff.w3.weight, "trunc_normal", depth_std
+        yield "norm.weight", self.norm.weight, "ones", 0.0
+        if not a.tie_embeddings:
+            yield "output.weight", self.output.weight, "trunc_normal", a.dim**-0.5
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter in place from ``seed``.
+
+        Works on plain and on sharded (DTensor) parameters after
+        ``to_empty``. Each parameter is drawn in fixed blocks of rows, each
+        from its own generator seeded by (seed, name, block), so a rank draws
+        only the blocks its shard overlaps and the full weights are the same
+        whatever the mesh (for one device type). Nothing is materialised
+        beyond one block per parameter at a time.
+        """
+        plan = list(self._init_plan())
+        covered = {id(p) for _, p, _, _ in plan}
+        missing = [n for n, p in self.named_parameters() if id(p) not in covered]
+        if missing:
+            raise RuntimeError(f"init_weights has no rule for parameters {missing}")
+        for name, param, kind, std in plan:
+            _init_param(param, name, kind, std, seed)
+
+
+# ---------------------------------------------------------------------------
+# Mesh-independent initialisation
+# ---------------------------------------------------------------------------
+
+_BLOCK_NUMEL = 1 << 22  # elements drawn per generator (16 MiB of float32)
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _local_region(param: Tensor) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, local shape, global offset) of a plain or DTensor parameter."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        return param.to_local(), tuple(shape), tuple(offset)
+    return param, tuple(param.shape), (0,) * param.dim()
+
+
+def _init_param(param: Tensor, name: str, kind: str, std: float, seed: int) -> None:
+    local, shape, offset = _local_region(param)
+    if local.device.type == "meta":
+        raise RuntimeError(
+            f"init_weights: parameter {name} is on the meta device; call "
+            "model.to_empty(device=...) first"
+        )
+    if kind == "ones":
+        local.fill_(1.0)
+        return
+    if local.numel() == 0:
+        return
+    full_shape = tuple(param.shape)
+    row_numel = math.prod(full_shape[1:])
+    rows_per_block = max(1, _BLOCK_NUMEL // max(row_numel, 1))
+    start, stop = offset[0], offset[0] + shape[0]
+    gen = torch.Generator(device=local.device)
+    pieces = []
+    for block in range(start // rows_per_block, (stop - 1) // rows_per_block + 1):
+        b0 = block * rows_per_block
+        b1 = min(b0 + rows_per_block, full_shape[0])
+        gen.manual_seed(_block_seed(seed, name, block))
+        buf = torch.empty((b1 - b0, *full_shape[1:]), dtype=torch.float32, device=local.device)
+        if kind == "normal":
+            buf.normal_(0.0, std, generator=gen)
+        elif kind == "trunc_normal":
+            nn.init.trunc_normal_(buf, 0.0, std, -3 * std, 3 * std, generator=gen)
+        else:
+            raise ValueError(f"unknown init kind {kind!r}")
+        pieces.append(buf[max(start, b0) - b0 : min(stop, b1) - b0])
+    rows = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    # Shards along other dims (not FSDP's default, but any placement works).
+    for d in range(1, len(full_shape)):
+        rows = rows.narrow(d, offset[d], shape[d])
+    local.copy_(rows)

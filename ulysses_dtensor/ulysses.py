@@ -1,0 +1,279 @@
+"""Ulysses sequence parallelism: switch attention inputs from Shard(seq) to Shard(heads).
+
+Each sp rank holds ``seq / sp`` tokens of every head. Around attention one
+all-to-all per tensor turns that into ``heads / sp`` heads of every token, the
+local attention runs over the whole sequence, and one all-to-all turns the
+output back. Per rank and tensor that moves ``(sp-1)/sp`` of the local shard,
+O(n*d/P) bytes, and never gathers the sequence.
+
+torch 2.13's ``DTensor.redistribute(Shard(1) -> Shard(2))`` falls back to an
+all-gather on CPU process groups (P times the bytes and the memory), so the
+switch is done here with the functional ``all_to_all_single``, which has
+autograd, runs on gloo and NCCL alike, and traces under ``torch.compile``. The
+result is re-wrapped as a DTensor with the new placement, so callers keep
+DTensor semantics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+SEQ_DIM = 1
+HEAD_DIM = 2
+
+
+# ---------------------------------------------------------------------------
+# The exchange on local tensors: (B, S/P, H, D) <-> (B, S, H/P, D)
+# ---------------------------------------------------------------------------
+
+
+def _all_to_all(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    # Input is laid out (P, ...): chunk i goes to rank i, chunk i of the result
+    # came from rank i. The backward of this op is the reverse all-to-all.
+    return funcol.all_to_all_single_autograd(x, None, None, mesh.get_group())
+
+
+def _seq_to_heads_local(parts: list[Tensor], mesh: DeviceMesh) -> list[Tensor]:
+    """(B, s, h_i, D) shards of the sequence -> (B, s*P, h_i/P, D) shards of heads.
+
+    Several tensors go through one all-to-all: their per-destination chunks
+    are concatenated on the head dim, so packing q, k, v costs one collective.
+    """
+    world = mesh.size()
+    batch, seq, _, dim = parts[0].shape
+    # (B, s, h, D) -> (P, B, s, h/P, D): destination rank first.
+    chunks = [
+        p.reshape(batch, seq, world, p.shape[2] // world, dim).permute(2, 0, 1, 3, 4)
+        for p in parts
+    ]
+    send = torch.cat(chunks, dim=3) if len(chunks) > 1 else chunks[0]
+    recv = _all_to_all(send.contiguous(), mesh)
+    # recv is (P, B, s, sum h/P, D) with the source rank (= sequence block) first.
+    recv = recv.view(world, batch, seq, -1, dim).permute(1, 0, 2, 3, 4)
+    recv = recv.reshape(batch, world * seq, -1, dim)
+    sizes = [p.shape[2] // world for p in parts]
+    return list(recv.split(sizes, dim=2)) if len(parts) > 1 else [recv]
+
+
+def _heads_to_seq_local(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """(B, S, h, D) shard of heads -> (B, S/P, h*P, D) shard of the sequence."""
+    world = mesh.size()
+    batch, seq, heads, dim = x.shape
+    # (B, S, h, D) -> (P, B, S/P, h, D): sequence block = destination rank.
+    send = x.reshape(batch, world, seq // world, heads, dim).transpose(0, 1)
+    recv = _all_to_all(send.contiguous(), mesh)
+    # recv is (P, B, S/P, h, D) with the source rank (= head block) first.
+    return recv.view(world, batch, seq // world, heads, dim).permute(1, 2, 0, 3, 4).reshape(
+        batch, seq // world, world * heads, dim
+    )
+
+
+# ---------------------------------------------------------------------------
+# The exchange as DTensor placement switches
+# ---------------------------------------------------------------------------
+
+
+def _expect(x: DTensor, placement: Shard, what: str) -> None:
+    if x.device_mesh.ndim != 1 or tuple(x.placements) != (placement,):
+        raise ValueError(
+            f"{what} expects a DTensor on a 1-D sp mesh with placements ({placement},), "
+            f"got mesh ndim={x.device_mesh.ndim} placements={tuple(x.placements)}"
+        )
+
+
+def seq_to_heads(*tensors: DTensor) -> list[DTensor]:
+    """Redistribute ``Shard(1)`` (sequence) DTensors to ``Shard(2)`` (heads).
+
+    All tensors share one all-to-all. Each must have a head count divisible by
+    the mesh size and the same sequence length.
+    """
+    mesh = tensors[0].device_mesh
+    for t in tensors:
+        _expect(t, Shard(SEQ_DIM), "seq_to_heads")
+    outs = _seq_to_heads_local([t.to_local() for t in tensors], mesh)
+    return [DTensor.from_local(o, mesh, [Shard(HEAD_DIM)], run_check=False) for o in outs]
+
+
+def heads_to_seq(x: DTensor) -> DTensor:
+    """Redistribute a ``Shard(2)`` (heads) DTensor to ``Shard(1)`` (sequence)."""
+    _expect(x, Shard(HEAD_DIM), "heads_to_seq")
+    out = _heads_to_seq_local(x.to_local(), x.device_mesh)
+    return DTensor.from_local(out, x.device_mesh, [Shard(SEQ_DIM)], run_check=False)
+
+
+# ---------------------------------------------------------------------------
+# Head bookkeeping for GQA / MQA
+# ---------------------------------------------------------------------------
+
+
+def kv_replication(heads: int, kv_heads: int, sp: int) -> int:
+    """How many times each kv head is repeated before the exchange (1 = split).
+
+    With ``kv_heads % sp == 0`` kv heads are split like q heads. With
+    ``sp % kv_heads == 0`` each kv head is repeated ``sp / kv_heads`` times so
+    rank r receives kv head ``r // (sp / kv_heads)``, the one its q heads use.
+    """
+    if heads % sp:
+        raise ValueError(
+            f"Ulysses needs heads % sp == 0, got heads={heads}, kv_heads={kv_heads}, "
+            f"sp={sp}; valid sp for {heads} heads: {_divisors(heads)}"
+        )
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"heads={heads} must be a multiple of kv_heads={kv_heads} (sp={sp})"
+        )
+    if kv_heads % sp == 0:
+        return 1
+    if sp % kv_heads == 0:
+        return sp // kv_heads
+    raise ValueError(
+        f"Ulysses cannot place kv_heads={kv_heads} on sp={sp} ranks (heads={heads}): "
+        f"need kv_heads % sp == 0 (split) or sp % kv_heads == 0 (replicate); valid sp: "
+        f"{[d for d in _divisors(heads) if kv_heads % d == 0 or d % kv_heads == 0]}"
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------------------
+# The ParallelStyle
+# ---------------------------------------------------------------------------
+
+
+class UlyssesAttention(ParallelStyle):
+    """Ulysses SP for an inner attention module ``forward(q, k, v, **kwargs)``.
+
+    Apply on the 1-D sp mesh::
+
+        parallelize_module(inner_attn, mesh["sp"], UlyssesAttention())
+
+    Before: ``q: (B, S/P, H, D)``, ``k, v: (B, S/P, H_kv, D)``, plain tensors
+    holding this rank's sequence slice (or DTensors placed ``Shard(1)``); the
+    module returns ``(B, S/P, H, D)`` of the same kind. Inside, the inner
+    module sees plain tensors with the full sequence and ``H/P`` heads (and its
+    kv heads); keyword arguments (e.g. global document ids) pass unchanged.
+
+    Args:
+        pack_qkv: exchange q, k and v in one all-to-all instead of three.
+    """
+
+    def __init__(self, *, pack_qkv: bool = False):
+        super().__init__()
+        self.pack_qkv = pack_qkv
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"UlyssesAttention must be applied on the 1-D sp mesh (mesh['sp']), "
+                f"got a {device_mesh.ndim}-D mesh with dims {device_mesh.mesh_dim_names}"
+            )
+        state: dict[str, Any] = {}
+
+        def pre_hook(_mod, args, kwargs):
+            q, k, v, rest = _split_qkv(args, kwargs)
+            state["dtensor_in"] = isinstance(q, DTensor)
+            q, k, v = self._to_heads(q, k, v, device_mesh)
+            return (q, k, v, *rest), kwargs
+
+        def post_hook(_mod, _args, _kwargs, out):
+            if isinstance(out, DTensor):
+                raise TypeError("the inner attention module must return a plain tensor")
+            seq = heads_to_seq(DTensor.from_local(out, device_mesh, [Shard(HEAD_DIM)], run_check=False))
+            return seq if state.pop("dtensor_in") else seq.to_local()
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(post_hook, with_kwargs=True)
+        return module
+
+    def _to_heads(self, q, k, v, mesh: DeviceMesh) -> tuple[Tensor, Tensor, Tensor]:
+        sp = mesh.size()
+        q, k, v = (_as_seq_dtensor(t, mesh, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
+        if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or k.shape != v.shape:
+            raise ValueError(
+                f"q, k, v must agree on batch and sequence and k, v on all dims; got "
+                f"q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)} (global)"
+            )
+        repeat = kv_replication(q.shape[HEAD_DIM], k.shape[HEAD_DIM], sp)
+        if repeat > 1:
+            # Repeat each kv head on the local slice; the repeat's backward sums
+            # the gradients of the copies, so kv grads stay exact.
+            k, v = (
+                DTensor.from_local(
+                    t.to_local().repeat_interleave(repeat, dim=HEAD_DIM), mesh, [Shard(SEQ_DIM)],
+                    run_check=False,
+                )
+                for t in (k, v)
+            )
+        if self.pack_qkv:
+            q, k, v = seq_to_heads(q, k, v)
+        else:
+            (q,), (k,), (v,) = seq_to_heads(q), seq_to_heads(k), seq_to_heads(v)
+        return q.to_local(), k.to_local(), v.to_local()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(pack_qkv={self.pack_qkv})"
+
+
+def _split_qkv(args: tuple, kwargs: dict):
+    names = ("q", "k", "v")
+    vals = list(args[:3])
+    for name in names[len(vals):]:
+        if name not in kwargs:
+            raise TypeError(f"UlyssesAttention: inner attention forward needs {name!r}")
+        vals.append(kwargs.pop(name))
+    return vals[0], vals[1], vals[2], args[3:]
+
+
+def _as_seq_dtensor(t, mesh: DeviceMesh, name: str) -> DTensor:
+    sp = mesh.size()
+    if isinstance(t, DTensor):
+        _expect(t, Shard(SEQ_DIM), f"UlyssesAttention input {name}")
+        if t.dim() != 4 or t.shape[SEQ_DIM] % sp:
+            raise ValueError(
+                f"UlyssesAttention input {name} has global shape {tuple(t.shape)}: need "
+                f"(batch, seq, heads, head_dim) with seq divisible by sp={sp}; pad the "
+                f"sequence to a multiple of {sp} (shard_batch does this)"
+            )
+        return t
+    if not isinstance(t, Tensor) or t.dim() != 4:
+        raise ValueError(
+            f"UlyssesAttention input {name} must be a (batch, seq/sp, heads, head_dim) "
+            f"tensor, got {getattr(t, 'shape', type(t))}"
+        )
+    return DTensor.from_local(t, mesh, [Shard(SEQ_DIM)], run_check=False)
+
+
+def exchange_bytes_per_rank(
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    sp: int,
+    element_size: int,
+    *,
+    backward: bool = True,
+) -> int:
+    """Bytes one rank sends through all-to-all for one attention layer.
+
+    Forward moves q, k, v (kv after replication for GQA) and the output, each
+    a ``(batch, seq/sp, h, head_dim)`` shard of which ``(sp-1)/sp`` leaves the
+    rank; backward moves their gradients, the same volume again. Packing q, k,
+    v changes the number of collectives, not the bytes.
+    """
+    if sp == 1:
+        return 0
+    kv_exchanged = kv_heads * kv_replication(heads, kv_heads, sp)
+    local_tokens = batch * seq // sp
+    elements = local_tokens * head_dim * (2 * heads + 2 * kv_exchanged)
+    sent = elements * element_size * (sp - 1) // sp
+    return 2 * sent if backward else sent
