@@ -1,0 +1,121 @@
+"""Sequence tiling for the two largest per-token intermediates.
+
+At long context the biggest tensors of a step are not attention's (flash
+kernels keep it O(seq)) but the MLP's ``(seq, ffn_dim)`` hidden states and the
+head's ``(seq, vocab)`` logits (128256 wide for Llama-3). Both are per-token,
+so they can be computed over tiles of the sequence. Each tile runs under
+non-reentrant activation checkpointing: forward keeps only the tile's input
+(a view of the full input, no copy), and backward recomputes one tile at a
+time, so at most one tile's intermediate is alive. Results and gradients are
+those of the untiled computation up to float reassociation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .loss import IGNORE_INDEX
+
+
+def auto_num_tiles(seq: int, width: int, hidden: int) -> int:
+    """Tiles so that one tile's ``(tile, width)`` intermediate is about ``(hidden, hidden)``.
+
+    The same rule of thumb ALST uses for the MLP (tile length ~ model dim):
+    per-tile tensors are then no larger than a weight matrix, and tiles stay
+    long enough for the matmuls to run at full speed.
+    """
+    return max(1, math.ceil(seq * width / (hidden * hidden)))
+
+
+def _tiles(seq: int, num_tiles: int) -> list[tuple[int, int]]:
+    num_tiles = max(1, min(num_tiles, seq))
+    step = math.ceil(seq / num_tiles)
+    return [(start, min(step, seq - start)) for start in range(0, seq, step)]
+
+
+class TiledMLP(nn.Module):
+    """Run ``mlp`` over tiles of the sequence dim (dim 1) of ``(batch, seq, dim)``.
+
+    Wraps the module without renaming its parameters' owner: ``tiled.mlp.w1``.
+    ``num_tiles=None`` picks :func:`auto_num_tiles` from the shapes.
+    """
+
+    def __init__(self, mlp: nn.Module, ffn_dim: int, num_tiles: int | None = None):
+        super().__init__()
+        self.mlp = mlp
+        self.ffn_dim = ffn_dim
+        self.num_tiles = num_tiles
+
+    def forward(self, x: Tensor) -> Tensor:
+        seq = x.shape[1]
+        n = self.num_tiles or auto_num_tiles(seq, self.ffn_dim, x.shape[-1])
+        if n <= 1 or not torch.is_grad_enabled():
+            return self.mlp(x) if n <= 1 else torch.cat(
+                [self.mlp(x.narrow(1, s, l)) for s, l in _tiles(seq, n)], dim=1
+            )
+        outs = [
+            checkpoint(self.mlp, x.narrow(1, start, length), use_reentrant=False)
+            for start, length in _tiles(seq, n)
+        ]
+        return torch.cat(outs, dim=1)
+
+
+def _chunk_loss_sum(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+    )
+
+
+def tiled_cross_entropy_sum(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    num_chunks: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> Tensor:
+    """Sum of cross entropy of ``hidden @ weight.T`` against ``labels``, by sequence chunks.
+
+    Never materialises the ``(batch, seq, vocab)`` logits: each chunk's logits
+    (and their gradient) exist only while that chunk is computed. Pair with
+    :func:`ulysses_dtensor.loss.sp_cross_entropy`'s normalisation by dividing
+    by the global valid-token count (see :func:`tiled_sp_cross_entropy`).
+    """
+    seq = hidden.shape[1]
+    n = num_chunks or auto_num_tiles(seq, weight.shape[0], hidden.shape[-1])
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start, length in _tiles(seq, n):
+        h, lab = hidden.narrow(1, start, length), labels.narrow(1, start, length)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss_sum, h, weight, lab, ignore_index, use_reentrant=False)
+        else:
+            total = total + _chunk_loss_sum(h, weight, lab, ignore_index)
+    return total
+
+
+def tiled_sp_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    num_valid_tokens: Tensor | int,
+    *,
+    num_chunks: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> Tensor:
+    """This rank's share of the global token-mean loss, computed chunk by chunk."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree: "
+            "hidden must be labels.shape + (dim,)"
+        )
+    local_sum = tiled_cross_entropy_sum(
+        hidden, weight, labels, num_chunks=num_chunks, ignore_index=ignore_index
+    )
+    denom = torch.as_tensor(num_valid_tokens, device=local_sum.device).clamp(min=1)
+    return local_sum / denom
