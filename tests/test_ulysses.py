@@ -155,6 +155,12 @@ def _bad_input_worker(rank: int, world: int) -> None:
         assert "(1, 9, 8, 4)" in str(e) and "sp=4" in str(e), e
     else:
         raise AssertionError("seq 9 on sp=4 did not raise")
+    # DTensor in, DTensor out with use_local_output=False; same values as local.
+    even = distribute_tensor(torch.randn(1, 8, 8, 4), mesh, [Shard(1)])
+    as_dt = parallelize_module(LocalAttention("sdpa"), mesh, UlyssesAttention(use_local_output=False))
+    out = as_dt(even, even, even)
+    assert tuple(out.placements) == (Shard(1),) and out.shape == (1, 8, 8, 4)
+    torch.testing.assert_close(out.to_local(), attn(even.to_local(), even.to_local(), even.to_local()))
     # A multi-dim mesh is refused at apply time.
     world_mesh = ParallelDims(dp_shard=2, sp=2).build_mesh("cpu").mesh
     try:

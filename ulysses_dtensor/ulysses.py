@@ -16,8 +16,6 @@ DTensor semantics.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
@@ -158,17 +156,22 @@ class UlyssesAttention(ParallelStyle):
 
     Before: ``q: (B, S/P, H, D)``, ``k, v: (B, S/P, H_kv, D)``, plain tensors
     holding this rank's sequence slice (or DTensors placed ``Shard(1)``); the
-    module returns ``(B, S/P, H, D)`` of the same kind. Inside, the inner
-    module sees plain tensors with the full sequence and ``H/P`` heads (and its
-    kv heads); keyword arguments (e.g. global document ids) pass unchanged.
+    module returns ``(B, S/P, H, D)``. Inside, the inner module sees plain
+    tensors with the full sequence and ``H/P`` heads (and its kv heads);
+    keyword arguments (e.g. global document ids) pass unchanged.
 
     Args:
         pack_qkv: exchange q, k and v in one all-to-all instead of three.
+        use_local_output: return a plain tensor (default) rather than a
+            ``Shard(1)`` DTensor, as in PyTorch's own parallel styles. A flag
+            rather than mirroring the input kind keeps the hooks free of
+            per-call state, which compiled checkpoint regions cannot replay.
     """
 
-    def __init__(self, *, pack_qkv: bool = False):
+    def __init__(self, *, pack_qkv: bool = False, use_local_output: bool = True):
         super().__init__()
         self.pack_qkv = pack_qkv
+        self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.ndim != 1:
@@ -176,11 +179,9 @@ class UlyssesAttention(ParallelStyle):
                 f"UlyssesAttention must be applied on the 1-D sp mesh (mesh['sp']), "
                 f"got a {device_mesh.ndim}-D mesh with dims {device_mesh.mesh_dim_names}"
             )
-        state: dict[str, Any] = {}
 
         def pre_hook(_mod, args, kwargs):
             q, k, v, rest = _split_qkv(args, kwargs)
-            state["dtensor_in"] = isinstance(q, DTensor)
             q, k, v = self._to_heads(q, k, v, device_mesh)
             return (q, k, v, *rest), kwargs
 
@@ -188,7 +189,7 @@ class UlyssesAttention(ParallelStyle):
             if isinstance(out, DTensor):
                 raise TypeError("the inner attention module must return a plain tensor")
             seq = heads_to_seq(DTensor.from_local(out, device_mesh, [Shard(HEAD_DIM)], run_check=False))
-            return seq if state.pop("dtensor_in") else seq.to_local()
+            return seq.to_local() if self.use_local_output else seq
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         module.register_forward_hook(post_hook, with_kwargs=True)
@@ -220,7 +221,7 @@ class UlyssesAttention(ParallelStyle):
         return q.to_local(), k.to_local(), v.to_local()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(pack_qkv={self.pack_qkv})"
+        return f"{type(self).__name__}(pack_qkv={self.pack_qkv}, use_local_output={self.use_local_output})"
 
 
 def _split_qkv(args: tuple, kwargs: dict):
