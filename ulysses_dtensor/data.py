@@ -162,10 +162,7 @@ class StdlibCorpus(DocumentSource):
     def __init__(self, max_bytes: int = 8 << 20, root: str | os.PathLike | None = None):
         root = Path(root or sysconfig.get_paths()["stdlib"])
         files, total = [], 0
-        for f in sorted(root.rglob("*.py")):
-            rel = f.relative_to(root).parts
-            if any(part in _SKIP_DIRS for part in rel[:-1]):
-                continue
+        for f in _walk_py(root):
             try:
                 size = f.stat().st_size
             except OSError:
@@ -190,6 +187,15 @@ class StdlibCorpus(DocumentSource):
 
     def fingerprint(self) -> str:
         return f"stdlib:{len(self.files)}:{self.total_bytes}"
+
+
+def _walk_py(root: Path) -> list[Path]:
+    """Sorted ``*.py`` paths under ``root``, not descending into skipped directories."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        found.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return sorted(found)
 
 
 def data_files(path: str | os.PathLike) -> list[Path]:

@@ -9,7 +9,6 @@ rank, and the loss (a token count) is reduced over every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -97,46 +96,31 @@ class ParallelDims:
 class ParallelMesh:
     """The 3-D mesh plus the flattened views the rest of the system uses.
 
-    Flattened meshes are created once and cached by the root mesh, so asking
-    for them twice does not create new process groups.
+    Every view is built here, up front: flattening creates process groups,
+    which is collective, so building one lazily on a code path that only some
+    ranks take (rank-0 logging, say) would hang the job.
     """
 
     def __init__(self, dims: ParallelDims, mesh: DeviceMesh):
         self.dims = dims
         self.mesh = mesh
+        self.sp: DeviceMesh = mesh["sp"]
+        # Parameters are sharded over dp_shard x sp (sp ranks hold the same ones).
+        self.fsdp: DeviceMesh = mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+        # HSDP: replicate over dp_replicate, shard over dp_shard x sp.
+        self.hsdp: DeviceMesh = DeviceMesh._concatenate([mesh["dp_replicate"], self.fsdp])
+        # Data-loading ranks: each reads its own samples.
+        self.dp: DeviceMesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        # Every rank, for global token counts and loss sums.
+        self.loss: DeviceMesh = mesh._flatten("world")
 
     def __getitem__(self, name):
         return self.mesh[name]
 
     @property
-    def sp(self) -> DeviceMesh:
-        return self.mesh["sp"]
-
-    @cached_property
-    def fsdp(self) -> DeviceMesh:
-        """1-D mesh over which FSDP2 shards parameters: dp_shard x sp."""
-        return self.mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
-
-    @cached_property
-    def hsdp(self) -> DeviceMesh:
-        """2-D mesh for HSDP: replicate over dp_replicate, shard over dp_shard x sp."""
-        self.fsdp  # noqa: B018 - registers the flattened dim on the root mesh
-        return self.mesh["dp_replicate", "dp_shard_sp"]
-
-    @property
     def param_mesh(self) -> DeviceMesh:
         """The mesh for ``fully_shard``: HSDP when data is also replicated."""
         return self.hsdp if self.dims.dp_replicate > 1 else self.fsdp
-
-    @cached_property
-    def dp(self) -> DeviceMesh:
-        """1-D mesh of data-loading ranks: dp_replicate x dp_shard."""
-        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
-
-    @cached_property
-    def loss(self) -> DeviceMesh:
-        """1-D mesh over every rank, for global token counts and loss sums."""
-        return self.mesh._flatten("world")
 
     @property
     def dp_rank(self) -> int:

@@ -95,14 +95,14 @@ class ContextSchedule:
     def seq_len(self, step: int) -> int:
         return self.stage(step).seq_len
 
-    def _batch_for(self, seq_len: int) -> int:
+    def batch_for(self, seq_len: int) -> int:
         if self.tokens_per_step is not None:
             return self.tokens_per_step // seq_len
         return self.global_batch_size
 
     def batch_size(self, step: int) -> int:
         """Global number of sequences at ``step``."""
-        return self._batch_for(self.seq_len(step))
+        return self.batch_for(self.seq_len(step))
 
     def tokens(self, step: int) -> int:
         return self.batch_size(step) * self.seq_len(step)
@@ -121,7 +121,7 @@ class ContextSchedule:
                     f"training sequences must split evenly over the sp ranks: use a "
                     f"multiple of {sp} (e.g. {max(sp, st.seq_len // sp * sp)})"
                 )
-            batch = self._batch_for(st.seq_len)
+            batch = self.batch_for(st.seq_len)
             if batch % dp:
                 how = (
                     f"training.tokens_per_step={self.tokens_per_step} / seq_len={st.seq_len}"

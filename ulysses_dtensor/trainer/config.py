@@ -99,8 +99,8 @@ class Training:
     tokens_per_step: int = _f(
         0, "tokens per step when context.constant_tokens_per_step (0: global_batch_size "
         "x the first stage's seq_len)")
-    micro_batch_size: int = _f(0, "sequences per forward on one dp rank, gradients "
-                                  "accumulated (0: the whole local batch at once)")
+    micro_batch_size: int = _f(0, "sequences per forward/backward on one dp rank, "
+                                  "gradients accumulated (0: the whole local batch at once)")
     seq_len: int = _f(2048, "sequence length when context.schedule is empty (one stage)")
     max_norm: float = _f(1.0, "gradient clipping norm (0: no clipping)")
     mixed_precision_param: str = _f("float32", "FSDP2 parameter dtype for compute",
@@ -223,7 +223,6 @@ class JobConfig:
         return out
 
 
-SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(JobConfig)}
 # `from __future__ import annotations` leaves field types as strings: resolve once.
 _SECTION_TYPES = typing.get_type_hints(JobConfig)
 _FIELD_TYPES = {name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()}
@@ -510,8 +509,6 @@ def _check_values(cfg: JobConfig) -> None:
             f"checkpoint.folder={cfg.checkpoint.folder!r} must be a relative path inside "
             f"job.dump_folder"
         )
-    if cfg.training.steps < 1:
-        raise ConfigError(f"training.steps={cfg.training.steps} must be >= 1")
     cfg.context_schedule()  # stage order and tokens_per_step divisibility
 
 
@@ -537,17 +534,6 @@ def validate_config(cfg: JobConfig, world_size: int):
         cfg.context_schedule().validate(sp=dims.sp, dp=dims.dp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    mb = cfg.training.micro_batch_size
-    if mb:
-        sched = cfg.context_schedule()
-        for st in sched.stages:
-            local = sched._batch_for(st.seq_len) // dims.dp
-            if local % mb:
-                raise ConfigError(
-                    f"training.micro_batch_size={mb} does not divide the {local} sequences "
-                    f"per dp rank in the stage from step {st.start_step} (seq_len "
-                    f"{st.seq_len}); use a divisor of {local}"
-                )
 
     _check_data(cfg)
     args = model_args(cfg, vocab_size=cfg.model.vocab_size or 256)

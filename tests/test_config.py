@@ -1,0 +1,204 @@
+"""Trainer config: precedence, types, and one clear message per bad value."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ulysses_dtensor.schedule import Stage
+from ulysses_dtensor.trainer.config import (
+    ConfigError,
+    JobConfig,
+    config_help,
+    load_config,
+    parse_config,
+    validate_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def one_error(fn, *args, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        fn(*args)
+    assert "\n" not in str(info.value)  # one message, one line
+    return str(info.value)
+
+
+def test_defaults_have_required_keys():
+    c = JobConfig()
+    for dotted in ("job.dump_folder", "job.seed", "training.steps", "training.seq_len",
+                   "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.sp",
+                   "checkpoint.interval", "data.path"):
+        section, key = dotted.split(".")
+        assert hasattr(getattr(c, section), key)
+        assert f"--{dotted} " in config_help()
+
+
+def test_toml_then_cli_precedence(tmp_path):
+    path = write(tmp_path, """
+[job]
+seed = 7
+dump_folder = "from_toml"
+[training]
+steps = 20
+seq_len = 256
+[optimizer]
+lr = 1
+betas = [0.8, 0.9]
+[context]
+schedule = [{start_step = 1, seq_len = 64}, {start_step = 5, seq_len = 128}]
+""")
+    c = load_config(["--config", path, "--training.steps=30", "--job.seed", "9",
+                     "--training.compile", "true", "--metrics.enable_tensorboard"])
+    assert c.job.seed == 9 and c.training.steps == 30          # CLI wins
+    assert c.job.dump_folder == "from_toml" and c.training.seq_len == 256  # TOML wins
+    assert c.optimizer.lr == 1.0 and isinstance(c.optimizer.lr, float)
+    assert c.optimizer.betas == [0.8, 0.9]
+    assert c.training.compile is True and c.metrics.enable_tensorboard is True
+    assert c.context.schedule == [Stage(1, 64), Stage(5, 128)]
+    assert c.parallelism.sp == 1 and c.checkpoint.interval == 500  # defaults
+    c = load_config(["--config", path, "--context.schedule", "1:32,3:64,9:128",
+                     "--optimizer.betas", "0.9,0.99", "--training.compile=false"])
+    assert c.context.schedule == [Stage(1, 32), Stage(3, 64), Stage(9, 128)]
+    assert c.optimizer.betas == [0.9, 0.99] and c.training.compile is False
+    # [[context.schedule]] array-of-tables form
+    path2 = write(tmp_path, "[[context.schedule]]\nstart_step = 1\nseq_len = 8\n", "d.toml")
+    assert load_config(["--config", path2]).context.schedule == [Stage(1, 8)]
+
+
+def test_unknown_names_suggest_nearest(tmp_path):
+    msg = one_error(load_config, ["--training.step", "3"], match=r"unknown config key training.step")
+    assert "did you mean 'training.steps'" in msg and "seq_len" in msg
+    msg = one_error(parse_config, {"trainig": {"steps": 1}}, match="unknown config section 'trainig'")
+    assert "did you mean 'training'" in msg
+    one_error(parse_config, {"checkpoint": {"intervall": 3}},
+              match=r"checkpoint.intervall.*did you mean 'checkpoint.interval'")
+    one_error(load_config, ["--steps", "3"], match=r"--section.key.*did you mean 'training.steps'")
+    one_error(load_config, ["stray"], match="unexpected argument 'stray'")
+    one_error(load_config, ["--training.steps"], match="--training.steps needs a value")
+    one_error(parse_config, {"context": {"schedule": [{"start": 1, "seq_len": 8}]}},
+              match=r"unknown key 'start' in context.schedule\[0\].*start_step")
+
+
+def test_wrong_types():
+    one_error(parse_config, {"training": {"steps": "ten"}},
+              match=r"training.steps must be an integer, got 'ten'")
+    one_error(parse_config, {"training": {"steps": 1.5}}, match="training.steps must be an integer")
+    one_error(parse_config, {"training": {"compile": 1}}, match=r"training.compile must be a bool")
+    one_error(parse_config, {"parallelism": {"sp": True}}, match="parallelism.sp must be an integer")
+    one_error(load_config, ["--training.steps", "1e3"], match=r"--training.steps must be an integer")
+    one_error(load_config, ["--training.compile", "maybe"], match="must be a bool")
+    one_error(load_config, ["--context.schedule", "1-128"], match=r"start_step:seq_len")
+    one_error(parse_config, {"lr_scheduler": {"decay": "cosin"}},
+              match=r"lr_scheduler.decay='cosin'.*did you mean 'cosine'.*valid: linear, cosine, none")
+    one_error(parse_config, {"model": {"attn_backend": "flash"}},
+              match=r"model.attn_backend='flash'.*valid: sdpa, flex, varlen, flash_attn")
+    one_error(parse_config, {"training": {"mixed_precision_param": "fp16"}},
+              match="valid: float32, bfloat16")
+    one_error(parse_config, {"training": {"steps": 0}}, match=r"training.steps=0 must be >= 1")
+    one_error(parse_config, {"context": {"schedule": [{"start_step": 2, "seq_len": 8}]}},
+              match="must start at step 1")
+
+
+def test_world_and_mesh():
+    c = parse_config({"parallelism": {"sp": 3}})
+    msg = one_error(validate_config, c, 4, match=r"world_size=4 is not divisible")
+    assert msg.startswith("parallelism:")
+    c = parse_config({"parallelism": {"dp_shard": 2, "sp": 4}})
+    one_error(validate_config, c, 4, match=r"2\*4 = 8 does not match world_size=4")
+    c = parse_config({"parallelism": {"dp_shard": 2, "sp": 2}})
+    dims = validate_config(c, 4)
+    assert (dims.dp_replicate, dims.dp_shard, dims.sp, dims.dp) == (1, 2, 2, 2)
+
+
+def test_every_stage_seq_len_multiple_of_sp():
+    c = parse_config({"parallelism": {"sp": 4},
+                      "context": {"schedule": [{"start_step": 1, "seq_len": 128},
+                                               {"start_step": 3, "seq_len": 130}]}})
+    one_error(validate_config, c, 4,
+              match=r"context.schedule\[1\].seq_len=130 .* not a multiple of parallelism.sp=4")
+    c = parse_config({"parallelism": {"sp": 2}, "training": {"seq_len": 63}})
+    one_error(validate_config, c, 2, match=r"seq_len=63 .*parallelism.sp=2")
+
+
+def test_heads_incompatible_with_sp():
+    c = parse_config({"parallelism": {"sp": 16}, "training": {"seq_len": 64}})
+    one_error(validate_config, c, 16, match=r"model.flavor='debug' with parallelism.sp=16.*heads % sp")
+    # 12 q heads, 3 kv heads on sp=4: kv heads can be neither split nor replicated.
+    c = parse_config({"parallelism": {"sp": 4},
+                      "model": {"dim": 96, "n_heads": 12, "n_kv_heads": 3}})
+    one_error(validate_config, c, 4, match=r"kv_heads=3 on sp=4")
+
+
+def test_batch_not_divisible_by_dp():
+    c = parse_config({"training": {"global_batch_size": 6}, "parallelism": {"dp_shard": 4}})
+    one_error(validate_config, c, 4, match=r"global batch of 6 sequences.*4 data-parallel streams")
+    c = parse_config({"training": {"tokens_per_step": 1024},
+                      "context": {"constant_tokens_per_step": True,
+                                  "schedule": [{"start_step": 1, "seq_len": 128},
+                                               {"start_step": 4, "seq_len": 512}]},
+                      "parallelism": {"dp_shard": 4}})
+    one_error(validate_config, c, 4, match=r"batch of 2 sequences.*stage from step 4")
+
+
+def test_missing_files_and_unknown_flavor(tmp_path):
+    c = parse_config({"data": {"path": str(tmp_path / "nope.jsonl")}})
+    one_error(validate_config, c, 1, match=r"data.path=.*nope.jsonl' does not exist")
+    (tmp_path / "x.csv").write_text("a")
+    c = parse_config({"data": {"path": str(tmp_path / "x.csv")}})
+    one_error(validate_config, c, 1, match=r"suffix '.csv'; valid: .txt, .jsonl")
+    c = parse_config({"data": {"tokenizer": str(tmp_path / "tokenizer.json")}})
+    one_error(validate_config, c, 1, match=r"data.tokenizer=.*no such file")
+    c = parse_config({"model": {"flavor": "llama3_8bb"}})
+    one_error(validate_config, c, 1, match=r"model.flavor='llama3_8bb'.*did you mean 'llama3_8b'")
+    one_error(load_config, ["--config", str(tmp_path / "missing.toml")], match="no such file")
+
+
+def test_tokenizers_extra_message(tmp_path):
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        tok = tmp_path / "tokenizer.json"
+        tok.write_text("{}")
+        c = parse_config({"data": {"tokenizer": str(tok)}})
+        one_error(validate_config, c, 1, match=r"pip install 'ulysses-dtensor\[tokenizers\]'")
+    else:
+        pytest.skip("tokenizers is installed")
+
+
+def test_shipped_configs_parse():
+    for path in sorted((REPO / "train_configs").glob("*.toml")):
+        c = load_config(["--config", str(path)])
+        n = c.parallelism.dp_replicate * max(c.parallelism.dp_shard, 1) * c.parallelism.sp
+        validate_config(c, n)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--parallelism.sp", "3"], "world_size=1 is not divisible"),
+    (["--training.seq_len", "100", "--parallelism.sp", "1", "--data.path", "/no/such/file.txt"],
+     "does not exist"),
+    (["--trainng.steps", "2"], "did you mean 'training'"),
+])
+def test_bad_config_cli_exits_before_work(tmp_path, args, match):
+    dump = tmp_path / "dump"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ulysses_dtensor.train",
+         "--config", str(REPO / "train_configs" / "debug_model.toml"),
+         "--job.dump_folder", str(dump), "--checkpoint.enable", "true", *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert match in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("config error:") == 1
+    assert not dump.exists() and list(tmp_path.iterdir()) == []

@@ -1,0 +1,190 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), safe against kills.
+
+Layout of ``<dump_folder>/<checkpoint.folder>/``::
+
+    step-200/            a complete checkpoint (has the COMPLETE marker)
+        .metadata, __0_0.distcp, ...   model + optimizer, DCP (each rank its shards)
+        train_state.json               step, data cursor, context stage, lr (global)
+        rng/rank{r}.pt                 each rank's torch RNG state
+        COMPLETE                       written last
+    step-300.tmp/        a save in progress, or one a kill interrupted: ignored
+
+A save writes everything into ``step-N.tmp``; after every rank has finished
+(barrier) rank 0 writes ``COMPLETE`` into it and renames it to ``step-N``. A
+folder is loaded only if its name is ``step-<int>`` and it holds the marker, so
+a save interrupted at any point never looks complete. The folder must be on a
+file system every rank sees (one shared path on multi-node runs).
+
+Model and optimizer state go through
+``torch.distributed.checkpoint.state_dict.get_state_dict/set_state_dict``, so
+FSDP2 (DTensor) shards are saved as shards and loaded into whatever mesh the
+resuming run has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+__all__ = ["CheckpointManager", "COMPLETE_MARKER", "complete_steps"]
+
+COMPLETE_MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def complete_steps(folder: str | os.PathLike) -> list[int]:
+    """Steps of the complete checkpoints in ``folder``, ascending."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    steps = []
+    for d in folder.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and d.is_dir() and (d / COMPLETE_MARKER).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """Without a process group DCP saves/loads in one process; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class CheckpointManager:
+    """Save every ``interval`` steps and at the last step; keep the newest ``keep_latest_k``.
+
+    ``train_state`` is a JSON-able dict of global (rank-independent) trainer
+    state: it is written once, by rank 0.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        interval: int,
+        keep_latest_k: int = 0,
+        enable: bool = True,
+    ):
+        if interval < 1:
+            raise ValueError(f"checkpoint.interval={interval} must be >= 1")
+        if keep_latest_k < 0:
+            raise ValueError(f"checkpoint.keep_latest_k={keep_latest_k} must be >= 0")
+        self.folder = Path(folder)
+        self.interval = interval
+        self.keep_latest_k = keep_latest_k
+        self.enable = enable
+
+    # ------------------------------------------------------------- queries
+    def path(self, step: int) -> Path:
+        return self.folder / f"step-{step}"
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step (rank 0 decides, all ranks agree)."""
+        steps = complete_steps(self.folder) if _rank() == 0 else None
+        latest = [steps[-1] if steps else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(latest, src=0)
+        return latest[0]
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        return self.enable and (step % self.interval == 0 or step == last_step)
+
+    # ---------------------------------------------------------------- save
+    def save(self, step: int, model: torch.nn.Module, optimizer, train_state: dict) -> Path:
+        """Save collectively (every rank calls it); returns the final folder."""
+        rank = _rank()
+        tmp = self.folder / f"step-{step}.tmp"
+        final = self.path(step)
+        if rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / "rng").mkdir(parents=True)
+        _barrier()
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _single_process_ok():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        if rank == 0:
+            _fsync_write(tmp / "train_state.json", json.dumps(train_state, indent=1))
+        _barrier()  # every rank's files are written
+
+        if rank == 0:
+            _fsync_write(tmp / COMPLETE_MARKER, f"step {step}\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._prune(step)
+        _barrier()  # nobody runs ahead of the rename
+        return final
+
+    def _prune(self, current: int) -> None:
+        for d in self.folder.iterdir():
+            m = _TMP_DIR.match(d.name)
+            if m and int(m.group(1)) <= current:
+                shutil.rmtree(d, ignore_errors=True)  # left by a killed save
+        if self.keep_latest_k:
+            for old in complete_steps(self.folder)[: -self.keep_latest_k]:
+                shutil.rmtree(self.path(old), ignore_errors=True)
+
+    # ---------------------------------------------------------------- load
+    def load(self, step: int, model: torch.nn.Module, optimizer) -> dict:
+        """Load the checkpoint of ``step`` into model/optimizer; return its train_state."""
+        path = self.path(step)
+        if not (path / COMPLETE_MARKER).is_file():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        rng = path / "rng" / f"rank{_rank()}.pt"
+        if rng.is_file():  # absent when resuming on more ranks than saved
+            _set_rng_state(torch.load(rng, weights_only=True))
+        with open(path / "train_state.json") as fh:
+            return json.load(fh)

@@ -1,0 +1,278 @@
+"""The training loop: config -> mesh -> model -> data -> steps -> metrics, checkpoints.
+
+One step::
+
+    seq_len, B  = context schedule at this step
+    rows        = this dp rank's B/dp sequences of the next B*seq_len stream tokens
+    shard_batch : shift labels on the full rows, keep this sp rank's slice
+    n_valid     = valid labels of the whole global batch (all-reduce over the world)
+    loss share  = sum of local token losses / n_valid   (shares sum to the global mean)
+    backward (FSDP2 sums gradients), clip, AdamW step with the scheduled lr
+
+Micro-batching (``training.micro_batch_size``) splits a rank's rows into
+several forward/backward passes; the shares still divide by the step's global
+count, so the update is the same as in one pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..batch import shard_batch
+from ..data import PackedLoader, TokenStream, build_source, build_tokenizer, padded_vocab_size
+from ..loss import count_valid_tokens, global_loss, sp_cross_entropy
+from ..schedule import LRSchedule
+from .checkpoint import CheckpointManager
+from .config import ConfigError, JobConfig, model_args, validate_config
+from .metrics import MetricsLogger
+
+__all__ = ["train", "init_distributed", "resolve_vocab_size"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def init_distributed() -> tuple[torch.device, bool]:
+    """Start the process group from torchrun's env (or a world of one).
+
+    nccl + this process's LOCAL_RANK GPU when CUDA is present, else gloo + CPU.
+    Returns (device, whether this call created the group).
+    """
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if dist.is_initialized():
+        return device, False
+    if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:  # plain `python -m ulysses_dtensor.train`: a world of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device, True
+
+
+def resolve_vocab_size(cfg: JobConfig, tokenizer_vocab: int) -> int:
+    if cfg.model.vocab_size:
+        if cfg.model.vocab_size < tokenizer_vocab:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                f"vocabulary of {tokenizer_vocab} (data.tokenizer={cfg.data.tokenizer!r}); "
+                f"use >= {tokenizer_vocab} or 0 to derive it"
+            )
+        return cfg.model.vocab_size
+    return padded_vocab_size(tokenizer_vocab, cfg.model.vocab_multiple_of)
+
+
+def _print0(*args) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def build_model(cfg: JobConfig, pmesh, vocab_size: int, device: torch.device):
+    from ..models.llama import Llama
+    from ..parallelize import parallelize_llama
+
+    args = model_args(cfg, vocab_size)
+    with torch.device("meta"):
+        model = Llama(args)
+    ac = cfg.activation_checkpoint
+    selective = ac.selective if ac.selective == "op" else int(ac.selective)
+    model = parallelize_llama(
+        model,
+        pmesh,
+        ac_mode=ac.mode,
+        selective_ac=selective,
+        compile=cfg.training.compile,
+        compile_backend=cfg.training.compile_backend,
+        param_dtype=_DTYPES[cfg.training.mixed_precision_param],
+        reduce_dtype=_DTYPES[cfg.training.mixed_precision_reduce],
+        pack_qkv=cfg.training.pack_qkv,
+    )
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.job.seed)
+    return model
+
+
+def train(cfg: JobConfig) -> list[dict]:
+    """Run the job; return the metric rows (on rank 0; empty elsewhere).
+
+    A bad config raises :class:`ConfigError` before any folder or process
+    group is created.
+    """
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    dims = validate_config(cfg, world)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    vocab_size = resolve_vocab_size(cfg, tokenizer.vocab_size)
+    source = build_source(cfg.data.path, cfg.data.text_key, cfg.data.max_corpus_mb)
+    schedule = cfg.context_schedule()
+    lr_schedule = LRSchedule(
+        cfg.training.steps,
+        cfg.lr_scheduler.warmup_steps,
+        cfg.lr_scheduler.decay,
+        cfg.lr_scheduler.min_lr_ratio,
+    )
+
+    device, owns_group = init_distributed()
+    try:
+        rows = _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule)
+        # Finish together: a rank that exits while a peer still talks to it
+        # can abort the peer's gloo threads ("terminate called ...").
+        dist.barrier()
+        return rows
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule) -> list[dict]:
+    from ..parallelize import clip_grad_norm_
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(cfg.job.seed)
+    pmesh = dims.build_mesh(device.type)
+
+    model = build_model(cfg, pmesh, vocab_size, device)
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=opt.lr,
+        betas=tuple(opt.betas),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+    )
+    stream = TokenStream(source, tokenizer, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
+    loader = PackedLoader(stream, dp_rank=pmesh.dp_rank, dp_size=dims.dp)
+
+    ckpt = CheckpointManager(
+        cfg.checkpoint_folder,
+        interval=cfg.checkpoint.interval,
+        keep_latest_k=cfg.checkpoint.keep_latest_k,
+        enable=cfg.checkpoint.enable,
+    )
+    start_step = 0
+    if ckpt.enable:
+        latest = ckpt.latest_step()
+        if latest is not None:
+            state = ckpt.load(latest, model, optimizer)
+            loader.load_state_dict(state["data"])
+            start_step = int(state["step"])
+            saved = state.get("context", {}).get("seq_len")
+            if saved is not None and saved != schedule.seq_len(start_step):
+                _print0(
+                    f"warning: checkpoint step {start_step} trained at seq_len {saved}, this "
+                    f"config's schedule says {schedule.seq_len(start_step)}"
+                )
+            _print0(f"resumed from {ckpt.path(latest)} (step {start_step}, "
+                    f"{loader.tokens_seen} tokens seen)")
+
+    if start_step >= cfg.training.steps:
+        _print0(
+            f"nothing to train: the checkpoint is at step {start_step} and training.steps="
+            f"{cfg.training.steps}; raise training.steps or use another job.dump_folder"
+        )
+    n_params = sum(p.numel() for p in model.parameters())
+    _print0(
+        f"{cfg.job.description or 'ulysses_dtensor training'}\n"
+        f"  world {world} on {device.type}: dp_replicate={dims.dp_replicate} "
+        f"dp_shard={dims.dp_shard} sp={dims.sp}\n"
+        f"  model {cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
+        f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
+        f"  data {cfg.data.path or 'built-in stdlib corpus'}: {len(source)} documents; "
+        f"{schedule}\n"
+        f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}"
+    )
+    if rank == 0:
+        cfg.dump_folder.mkdir(parents=True, exist_ok=True)
+        (cfg.dump_folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    metrics = MetricsLogger(
+        cfg.dump_folder,
+        rank=rank,
+        world_size=world,
+        total_steps=cfg.training.steps,
+        device=device,
+        flops_per_token=model.flops_per_token,
+        log_freq=cfg.metrics.log_freq,
+        peak_flops=cfg.metrics.peak_flops,
+        enable_tensorboard=cfg.metrics.enable_tensorboard,
+        show_progress=cfg.metrics.progress_bar,
+        resume_step=start_step,
+    )
+
+    rows: list[dict] = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    max_norm = cfg.training.max_norm or float("inf")
+    for step in range(start_step + 1, cfg.training.steps + 1):
+        t0 = time.perf_counter()
+        seq_len, batch_size = schedule.seq_len(step), schedule.batch_size(step)
+        batch = loader.next_batch(batch_size, seq_len)
+        local = shard_batch(batch, pmesh.sp, pad=False)
+        local = {k: None if v is None else v.to(device) for k, v in local.items()}
+        # Valid targets of the whole global batch: every rank divides by it.
+        n_valid = count_valid_tokens(local["labels"], pmesh.loss)
+
+        n_rows = local["input_ids"].shape[0]
+        micro = cfg.training.micro_batch_size or n_rows
+        loss_sum = torch.zeros((), device=device)
+        for i in range(0, n_rows, micro):
+            rows_ = slice(i, i + micro)
+            docs = local["document_ids"]
+            logits = model(
+                local["input_ids"][rows_],
+                position_ids=local["position_ids"][rows_],
+                document_ids=None if docs is None else docs[rows_],
+            )
+            loss = sp_cross_entropy(logits, local["labels"][rows_], num_valid_tokens=n_valid)
+            del logits
+            loss.backward()
+            loss_sum += loss.detach()
+
+        grad_norm = clip_grad_norm_(params, max_norm)
+        lr = opt.lr * lr_schedule(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        loss_value = global_loss(loss_sum, pmesh.loss).item()
+        grad_norm = float(grad_norm)
+        step_time = time.perf_counter() - t0
+        row = metrics.log(
+            step=step,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            loss=loss_value,
+            grad_norm=grad_norm,
+            lr=lr,
+            tokens_seen=loader.tokens_seen,
+            step_tokens=batch_size * seq_len,
+            step_time=step_time,
+        )
+        if row is not None:
+            rows.append(row)
+
+        if ckpt.should_save(step, cfg.training.steps):
+            ckpt.save(
+                step,
+                model,
+                optimizer,
+                {
+                    "step": step,
+                    "data": loader.state_dict(),
+                    "context": {
+                        "stage": schedule.stage_index(step),
+                        "seq_len": seq_len,
+                        "batch_size": batch_size,
+                    },
+                    "lr_scheduler": {"step": step, "lr": lr},
+                    "tokens_seen": loader.tokens_seen,
+                },
+            )
+            _print0(f"saved checkpoint {ckpt.path(step)}")
+    metrics.close()
+    return rows

@@ -1,0 +1,190 @@
+"""Per-step training metrics: console line, ``metrics.jsonl``, optional TensorBoard.
+
+Every figure is global and counts each token once: the loss is the token-mean
+over the whole global batch (the sum of every rank's share), ``tokens_seen`` and
+``tps`` count the tokens of the global batch (not multiplied by sp, not divided
+by dp). ``tps_per_device`` divides by the world size.
+
+MFU = tps_per_device * model FLOPs per token (matmuls + causal attention at the
+step's sequence length) / peak FLOP/s of one device. Peaks are dense bf16:
+H100 and H200 989e12, A100 312e12; elsewhere (CPU) MFU is null unless
+``metrics.peak_flops`` is set. Peak memory is this rank's (rank 0's): CUDA max
+allocated, or on CPU the process's max resident set size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["MetricsLogger", "peak_flops_for", "peak_memory_gib", "progress_bar"]
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+TENSORBOARD_MSG = (
+    "metrics.enable_tensorboard=true needs the 'tensorboard' package: pip install tensorboard"
+)
+
+
+def peak_flops_for(device: torch.device, override: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device: ``override`` if set, else a known GPU's bf16 peak."""
+    if override:
+        return float(override)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in PEAK_FLOPS.items():
+            if key in name:
+                return value
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def progress_bar(step: int, total: int, width: int = 20) -> str:
+    done = min(width, int(width * step / max(total, 1)))
+    return "[" + "#" * done + "." * (width - done) + "]"
+
+
+def _fmt_count(x: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks' calls are no-ops (they still pass their numbers)."""
+
+    def __init__(
+        self,
+        dump_folder: str | os.PathLike,
+        *,
+        rank: int,
+        world_size: int,
+        total_steps: int,
+        device: torch.device,
+        flops_per_token=None,
+        log_freq: int = 1,
+        peak_flops: float = 0.0,
+        enable_tensorboard: bool = False,
+        show_progress: bool = True,
+        resume_step: int = 0,
+    ):
+        self.rank = rank
+        self.world_size = world_size
+        self.total_steps = total_steps
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.log_freq = log_freq
+        self.peak_flops = peak_flops_for(device, peak_flops)
+        self.show_progress = show_progress
+        self.path = Path(dump_folder) / "metrics.jsonl"
+        self.tb = None
+        if rank != 0:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_step)
+        if enable_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ImportError(TENSORBOARD_MSG) from None
+            self.tb = SummaryWriter(log_dir=str(Path(dump_folder) / "tb"))
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop rows past the resumed step (a killed run may have logged them)."""
+        if not self.path.exists():
+            return
+        keep = []
+        with open(self.path) as fh:
+            for line in fh:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        keep.append(line)
+                except (json.JSONDecodeError, KeyError):
+                    continue
+        with open(self.path, "w") as fh:
+            fh.writelines(keep)
+
+    def log(
+        self,
+        *,
+        step: int,
+        seq_len: int,
+        batch_size: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        tokens_seen: int,
+        step_tokens: int,
+        step_time: float,
+        extra: dict | None = None,
+    ) -> dict | None:
+        if self.rank != 0:
+            return None
+        tps = step_tokens / step_time if step_time > 0 else float("nan")
+        per_device = tps / self.world_size
+        mfu = None
+        if self.peak_flops and self.flops_per_token is not None:
+            mfu = per_device * self.flops_per_token(seq_len) / self.peak_flops
+        row = {
+            "step": step,
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_seen": tokens_seen,
+            "tps": tps,
+            "tps_per_device": per_device,
+            "mfu": mfu,
+            "peak_memory_gib": peak_memory_gib(self.device),
+            "step_time": step_time,
+            "time": time.time(),
+        }
+        if extra:
+            row.update(extra)
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(_finite(row)) + "\n")
+        if self.tb is not None:
+            for key in ("loss", "grad_norm", "lr", "tps", "tps_per_device", "mfu",
+                        "peak_memory_gib", "seq_len"):
+                if row[key] is not None:
+                    self.tb.add_scalar(f"train/{key}", row[key], step)
+        if step % self.log_freq == 0 or step == self.total_steps:
+            print(self.format(row), flush=True)
+        return row
+
+    def format(self, row: dict) -> str:
+        bar = f"{progress_bar(row['step'], self.total_steps)} " if self.show_progress else ""
+        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
+        return (
+            f"{bar}step {row['step']:>{len(str(self.total_steps))}}/{self.total_steps} "
+            f"seq {row['seq_len']} loss {row['loss']:.4f} gnorm {row['grad_norm']:.3f} "
+            f"lr {row['lr']:.2e} tok/s {_fmt_count(row['tps'])} "
+            f"({_fmt_count(row['tps_per_device'])}/dev) mfu {mfu} "
+            f"mem {row['peak_memory_gib']:.2f}GiB seen {_fmt_count(row['tokens_seen'])}"
+        )
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _finite(row: dict) -> dict:
+    """JSON has no NaN/inf: write them as null."""
+    return {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()
+    }
