@@ -72,4 +72,8 @@ def global_loss(local_loss: Tensor, mesh: DeviceMesh | None) -> Tensor:
     loss = local_loss.detach()
     if mesh is not None and mesh.size() > 1:
         loss = funcol.all_reduce(loss, "sum", mesh.get_group())
+        # Wait here: a value that only rank 0 reads would otherwise leave the
+        # collective unwaited on the other ranks.
+        if isinstance(loss, funcol.AsyncCollectiveTensor):
+            loss = loss.wait()
     return loss

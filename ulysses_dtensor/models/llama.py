@@ -289,7 +289,17 @@ class Llama(nn.Module):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
     ) -> Tensor:
-        """Final normed hidden states ``(B, s_local, dim)`` (no output projection)."""
+        """Final normed hidden states ``(B, s_local, dim)`` (no output projection).
+
+        For a tiled / chunked loss that applies ``self.output`` piece by piece.
+        ``parallelize_llama`` registers this method with FSDP, so it can be
+        called on a sharded model like ``forward``.
+        """
+        return self._hidden(input_ids, position_ids, document_ids)
+
+    def _hidden(self, input_ids, position_ids, document_ids) -> Tensor:
+        # forward() must not call hidden_states(): under FSDP that is a hooked
+        # method whose exit reshards the root parameters (output.weight too).
         if position_ids is None:
             position_ids = self._default_position_ids(input_ids)
         if position_ids.shape != input_ids.shape:
@@ -315,7 +325,7 @@ class Llama(nn.Module):
         them); default ``arange`` offset by this rank's slice. ``document_ids``:
         (B, S_full) for packed-document masking, or None for plain causal.
         """
-        return self.output(self.hidden_states(input_ids, position_ids, document_ids))
+        return self.output(self._hidden(input_ids, position_ids, document_ids))
 
     # -- sizes ---------------------------------------------------------------
 

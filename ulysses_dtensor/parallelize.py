@@ -1,0 +1,281 @@
+"""Apply Ulysses SP, activation checkpointing, torch.compile and FSDP2 to a Llama.
+
+Order, per transformer block, and why:
+
+1. **Ulysses** on ``block.attention.inner`` (the sp mesh): it only registers
+   forward hooks on a parameter-free module, so it must be in place before
+   the block is compiled, for the compiled graph to contain the all-to-alls.
+2. **Activation checkpointing** wraps the block, so that compile (next) sees
+   the checkpoint region and the recompute policy goes into the graph.
+3. **torch.compile** (``fullgraph=True``) wraps the checkpointed block. The
+   whole block, both all-to-alls included, is one graph.
+4. **FSDP2** ``fully_shard`` on the embedding, each (compiled) block, the
+   final norm + output projection, then the root. FSDP's hooks are excluded
+   from dynamo, so they must sit outside the compiled module: ``fully_shard``
+   goes on the ``torch.compile`` wrapper, last.
+
+Parameters are sharded over the flattened ``dp_shard x sp`` mesh (the sp ranks
+of a group hold the same parameters) and replicated over ``dp_replicate``
+(HSDP). The loss from :func:`~ulysses_dtensor.loss.sp_cross_entropy` is each
+rank's share of the global token mean, so gradients must be SUMMED over every
+rank: FSDP2 averages by default, so every FSDP module gets a divide factor of
+1 and sum-only collectives (which gloo also supports).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from .mesh import ParallelMesh
+from .ulysses import UlyssesAttention, kv_replication
+
+__all__ = ["AC_MODES", "clip_grad_norm_", "parallelize_llama"]
+
+AC_MODES = ("none", "full", "selective")
+
+
+def parallelize_llama(
+    model: nn.Module,
+    pmesh: ParallelMesh,
+    *,
+    ac_mode: str = "none",
+    selective_ac: str | int = "op",
+    compile: bool = False,
+    compile_backend: str | Callable = "inductor",
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    pack_qkv: bool = False,
+) -> nn.Module:
+    """Parallelize ``model`` (a :class:`~ulysses_dtensor.models.llama.Llama`) in place.
+
+    Call on the meta-device model, then ``model.to_empty(device=...)`` and
+    ``model.init_weights(seed)``.
+
+    Args:
+        pmesh: from ``ParallelDims(...).build_mesh(device_type)``.
+        ac_mode: ``"none"``, ``"full"`` (every block), or ``"selective"``.
+        selective_ac: with ``ac_mode="selective"``: ``"op"`` saves matmul and
+            attention outputs (every other matmul recomputed) and the Ulysses
+            all-to-all outputs, so recompute needs no communication; an int
+            ``k`` checkpoints every k-th block fully.
+        compile: ``torch.compile(block, fullgraph=True)`` per transformer block.
+        compile_backend: e.g. ``"inductor"`` (CPU needs a C++ compiler),
+            ``"aot_eager"`` (no code generation), or a backend callable.
+        param_dtype, reduce_dtype: FSDP2 mixed precision (compute / gradient
+            reduction dtypes); parameters are kept in their own dtype.
+        reshard_after_forward: free gathered parameters after each block's
+            forward (ZeRO-3). The last block always keeps them, since backward
+            needs them at once.
+        pack_qkv: one all-to-all for q, k and v together instead of three.
+    """
+    layers = _blocks(model)
+    if ac_mode not in AC_MODES:
+        raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
+    every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
+    if compile and isinstance(compile_backend, str):
+        _check_compile_backend(compile_backend)
+
+    sp = pmesh.dims.sp
+    if sp > 1:
+        args = getattr(model, "args", None)
+        if args is not None:
+            kv_replication(args.n_heads, args.n_kv_heads, sp)  # clear error before any change
+        for block in layers.values():
+            parallelize_module(block.attention.inner, pmesh.sp, UlyssesAttention(pack_qkv=pack_qkv))
+        model.sp_mesh = pmesh.sp
+
+    for layer_id, block in list(layers.named_children()):
+        if ac_mode == "full":
+            block = _checkpoint(block)
+        elif ac_mode == "selective":
+            if every_k is None:
+                block = _checkpoint(block, context_fn=_op_sac_context)
+            elif (int(layer_id) + 1) % every_k == 0:
+                block = _checkpoint(block)
+        if compile:
+            block = torch.compile(block, fullgraph=True, backend=compile_backend)
+        layers.register_module(layer_id, block)
+
+    mesh = pmesh.param_mesh
+    # Inputs are not cast: rope cos/sin stay float32 under bf16 compute
+    # (activations already come out of the embedding in param_dtype).
+    mp = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
+    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
+    if not tied and hasattr(model, "tok_embeddings"):
+        # Own groups, so the (vocab x dim) tables are not held unsharded for
+        # the whole step. Tied tables must stay in one group: the root's.
+        fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    n = len(layers)
+    for i, block in enumerate(layers.values()):
+        # The last block's parameters are needed again at once by backward.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < n - 1)
+    if not tied and hasattr(model, "output"):
+        # Used last in forward and first in backward: never resharded in between.
+        fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    # The root (tied tables, else no parameters) keeps FSDP's own root policy.
+    fully_shard(
+        model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype),
+        reshard_after_forward=None if reshard_after_forward else False,
+    )
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The loss is already divided by the global token count: sum, don't average.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    if hasattr(model, "hidden_states"):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "hidden_states")
+    return model
+
+
+def _blocks(model: nn.Module) -> nn.ModuleDict:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise TypeError(
+            f"parallelize_llama expects a model with a `layers` ModuleDict of transformer "
+            f"blocks (ulysses_dtensor.models.llama.Llama), got {type(model).__name__}"
+        )
+    return layers
+
+
+def _parse_selective_ac(value) -> int | None:
+    if value == "op":
+        return None
+    try:
+        k = int(value)
+    except (TypeError, ValueError):
+        k = 0
+    if isinstance(value, bool) or k < 1:
+        raise ValueError(
+            f"selective_ac={value!r} must be 'op' or a positive integer k (checkpoint every "
+            "k-th block)"
+        )
+    return k
+
+
+def _check_compile_backend(name: str) -> None:
+    from torch._dynamo import list_backends
+
+    valid = list_backends(exclude_tags=())
+    if name not in valid:
+        import difflib
+
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown compile_backend {name!r}; valid: {', '.join(valid)}{hint}")
+
+
+# ---------------------------------------------------------------------------
+# Activation checkpointing
+# ---------------------------------------------------------------------------
+
+
+def _checkpoint(block: nn.Module, **kwargs) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    # Non-reentrant: composes with FSDP2's hooks and with torch.compile.
+    return checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+
+
+def _sac_save_ops() -> set:
+    ops = set()
+    aten = torch.ops.aten
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward",
+        "max",
+    ):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    # The Ulysses exchange: saving its outputs keeps recompute communication-free.
+    for ns in ("_c10d_functional", "_c10d_functional_autograd"):
+        lib = getattr(torch.ops, ns)
+        for name in ("all_to_all_single", "wait_tensor"):
+            if hasattr(lib, name):
+                ops.add(getattr(lib, name).default)
+    return ops
+
+
+def _op_sac_context():
+    """Selective AC policy: save attention, collectives and every other matmul."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = _sac_save_ops()
+    mm = torch.ops.aten.mm.default
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        if func == mm:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            # Recompute every second matmul: half the matmul memory for a
+            # fraction of the FLOPs of full AC.
+            if counts[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+# ---------------------------------------------------------------------------
+# Gradient clipping over sharded gradients
+# ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """Clip gradients to a global norm; return that norm as a plain tensor.
+
+    Gradients may be plain tensors or DTensors on any mesh (FSDP's 1-D
+    ``dp_shard x sp`` mesh, HSDP's 2-D mesh): the norm is that of the full,
+    unsharded gradients, the same a single device computes. One reduction per
+    distinct mesh.
+    """
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict = defaultdict(list)
+    for g in grads:
+        groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
+    norms = []
+    for gs in groups.values():
+        n = torch.nn.utils.get_total_norm(gs, norm_type, False, foreach)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        norms.append(n)
+    device = norms[0].device
+    if len(norms) == 1:
+        total = norms[0]
+    else:
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})"
+        )
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(coef.to(local.device, local.dtype))
+    return total
