@@ -202,3 +202,17 @@ def test_bad_config_cli_exits_before_work(tmp_path, args, match):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("config error:") == 1
     assert not dump.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_memory_section_parses_and_offload_needs_full_ac():
+    from ulysses_dtensor.trainer.config import ConfigError, parse_config
+
+    cfg = parse_config(
+        {"memory": {"tiled_mlp": True, "loss_chunks": 4}, "activation_checkpoint": {"mode": "full"}},
+        [("memory.offload_activations", "true")],
+    )
+    assert (cfg.memory.tiled_mlp, cfg.memory.loss_chunks, cfg.memory.offload_activations) == (True, 4, True)
+    with pytest.raises(ConfigError, match=r"memory.offload_activations=true needs activation_checkpoint.mode='full'"):
+        parse_config({"memory": {"offload_activations": True}})
+    with pytest.raises(ConfigError, match=r"memory.mlp_tiles=-1 must be >= 0"):
+        parse_config({"memory": {"mlp_tiles": -1}})

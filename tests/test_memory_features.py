@@ -173,3 +173,78 @@ def test_offloaded_checkpoint_matches_plain_and_moves_block_inputs():
     blocks.zero_grad()
     run(wrapped, x0).backward()
     assert offloader.offloaded_bytes == 3 * x0.numel() * 4
+
+
+# --- The features inside the Llama, under SP (sp=2) with FSDP2 -----------------
+
+FEATURES = {
+    "tiled_mlp": dict(tiled_mlp=True, mlp_tiles=3),
+    "tiled_mlp_auto": dict(tiled_mlp=True),
+    "tiled_loss": dict(tiled_loss=True, loss_chunks=4),
+    "offload": dict(ac_mode="full", offload_activations=True),
+    "all": dict(ac_mode="full", offload_activations=True, tiled_mlp=True, mlp_tiles=2, tiled_loss=True, loss_chunks=3),
+}
+
+
+def _clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _llama_step(pm, features: dict, batch, use_labels: bool):
+    from ulysses_dtensor.batch import shard_batch
+    from ulysses_dtensor.loss import count_valid_tokens, global_loss
+    from ulysses_dtensor.models.llama import Llama, llama_args
+    from ulysses_dtensor.parallelize import parallelize_llama
+
+    with torch.device("meta"):
+        model = Llama(llama_args("debug", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=64))
+    parallelize_llama(model, pm, **features)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    local = shard_batch(batch, pm.sp)
+    n_valid = count_valid_tokens(local["labels"], pm.loss)
+    if use_labels:
+        loss = model(local["input_ids"], local["position_ids"], local["document_ids"],
+                     labels=local["labels"], num_valid_tokens=n_valid)
+    else:
+        logits = model(local["input_ids"], local["position_ids"], local["document_ids"])
+        loss = sp_cross_entropy(logits, local["labels"], num_valid_tokens=n_valid)
+    loss.backward()
+    grads = {_clean(n): p.grad.full_tensor() for n, p in model.named_parameters()}
+    return global_loss(loss, pm.loss), grads, model
+
+
+def _features_worker(rank: int, world: int) -> None:
+    from ulysses_dtensor.mesh import ParallelDims
+
+    pm = ParallelDims(sp=world).build_mesh("cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (2, 40), generator=g)
+    pos = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
+    batch = {"input_ids": ids, "position_ids": pos}
+    ref_loss, ref_grads, _ = _llama_step(pm, {}, batch, use_labels=False)
+    for name, features in FEATURES.items():
+        loss, grads, model = _llama_step(pm, features, batch, use_labels=True)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=name)
+        assert grads.keys() == ref_grads.keys(), (name, sorted(grads), sorted(ref_grads))
+        for n, g_ in grads.items():
+            torch.testing.assert_close(g_, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")
+        if features.get("offload_activations"):
+            # Both block inputs (B, S/sp, dim) fp32 went to the host.
+            assert model.offloader.offloaded_bytes == 2 * (2 * 20 * 32 * 4)
+
+
+def test_memory_features_match_plain_under_sp_and_fsdp():
+    from distributed import run_ranks
+
+    run_ranks(2, _features_worker)
+
+
+def test_offload_needs_full_ac():
+    from ulysses_dtensor.models.llama import Llama, llama_args
+    from ulysses_dtensor.parallelize import parallelize_llama
+
+    with torch.device("meta"):
+        model = Llama(llama_args("debug"))
+    with pytest.raises(ValueError, match=r"offload_activations=True needs ac_mode='full'.*ac_mode='none'"):
+        parallelize_llama(model, None, offload_activations=True)

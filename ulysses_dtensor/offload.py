@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 
 class HostOffloader:
@@ -26,7 +27,10 @@ class HostOffloader:
     block i can start fetching the input of block i-1.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, host_device: str | torch.device = "cpu") -> None:
+        # "meta" makes host copies free on the traced device: the memory
+        # planner uses it under fake tensors to model pinned host memory.
+        self.host_device = torch.device(host_device)
         self._slots: list[dict] = []
         self.offloaded_bytes = 0  # bytes moved out in the current step
         self._stream = None
@@ -46,7 +50,9 @@ class HostOffloader:
             self.offloaded_bytes = 0
         slot: dict = {"device": x.device, "shape": x.shape}
         stream = self._side_stream(x.device)
-        if stream is None:
+        if self.host_device.type == "meta":
+            slot["host"] = x.detach().to("meta")
+        elif stream is None:
             # CPU compute: the "host copy" is a copy in the same memory; the
             # code path (copy out, copy back, prefetch order) stays the same.
             slot["host"] = x.detach().clone()
@@ -69,6 +75,9 @@ class HostOffloader:
         if "device_copy" in slot:
             return
         stream = self._side_stream(slot["device"])
+        if self.host_device.type == "meta":
+            slot["device_copy"] = slot["host"].to(slot["device"])
+            return
         if stream is None:
             slot["device_copy"] = slot["host"]
             return
@@ -110,20 +119,21 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         return None, None, x.grad
 
 
-class OffloadedCheckpointBlock(nn.Module):
+class OffloadedCheckpointBlock(ActivationWrapper):
     """Wrap a block ``forward(x, *args, **kwargs)``: checkpointed, input kept on host.
 
-    Extra arguments (position ids, document ids) are small and stay on the
-    device; only ``x`` is offloaded. Parameters keep their names under
-    ``.block``.
+    Extra arguments (rope tables, document ids) are small and stay on the
+    device; only ``x`` is offloaded. As an ``ActivationWrapper`` (the base of
+    PyTorch's ``checkpoint_wrapper``) it keeps parameter and state-dict names
+    free of the wrapper, so checkpoints load with or without offload.
     """
 
     def __init__(self, block: nn.Module, offloader: HostOffloader):
-        super().__init__()
-        self.block = block
+        super().__init__(block)
         self.offloader = offloader
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        block = self._checkpoint_wrapped_module
         if not torch.is_grad_enabled():
-            return self.block(x, *args, **kwargs)
-        return _OffloadedCheckpoint.apply(lambda h: self.block(h, *args, **kwargs), self.offloader, x)
+            return block(x, *args, **kwargs)
+        return _OffloadedCheckpoint.apply(lambda h: block(h, *args, **kwargs), self.offloader, x)

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from .mesh import ParallelMesh
+from .offload import HostOffloader, OffloadedCheckpointBlock
 from .ulysses import UlyssesAttention, kv_replication
 
 __all__ = ["AC_MODES", "clip_grad_norm_", "parallelize_llama"]
@@ -53,6 +54,11 @@ def parallelize_llama(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     pack_qkv: bool = False,
+    tiled_mlp: bool = False,
+    mlp_tiles: int | None = None,
+    tiled_loss: bool = False,
+    loss_chunks: int | None = None,
+    offload_activations: bool = False,
 ) -> nn.Module:
     """Parallelize ``model`` (a :class:`~ulysses_dtensor.models.llama.Llama`) in place.
 
@@ -75,6 +81,14 @@ def parallelize_llama(
             forward (ZeRO-3). The last block always keeps them, since backward
             needs them at once.
         pack_qkv: one all-to-all for q, k and v together instead of three.
+        tiled_mlp: compute each block's MLP over sequence tiles, recomputed
+            per tile in backward (``mlp_tiles`` tiles; None = from the shapes).
+        tiled_loss: compute the output projection and loss over sequence
+            chunks, never the whole logits (``loss_chunks``; None = from the
+            shapes). Applies when the model is called with ``labels=``.
+        offload_activations: with ``ac_mode="full"``, keep each block's input
+            in pinned host memory between forward and backward
+            (``model.offloader`` reports the bytes).
     """
     layers = _blocks(model)
     if ac_mode not in AC_MODES:
@@ -82,6 +96,12 @@ def parallelize_llama(
     every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
     if compile and isinstance(compile_backend, str):
         _check_compile_backend(compile_backend)
+
+    if offload_activations and ac_mode != "full":
+        raise ValueError(
+            f"offload_activations=True needs ac_mode='full' (it offloads the block inputs that "
+            f"full checkpointing keeps), got ac_mode={ac_mode!r}"
+        )
 
     sp = pmesh.dims.sp
     if sp > 1:
@@ -92,7 +112,18 @@ def parallelize_llama(
             parallelize_module(block.attention.inner, pmesh.sp, UlyssesAttention(pack_qkv=pack_qkv))
         model.sp_mesh = pmesh.sp
 
+    _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks)
+    offloader = HostOffloader() if offload_activations else None
+    model.offloader = offloader
+
     for layer_id, block in list(layers.named_children()):
+        if offloader is not None:
+            # Compile inside, offload outside: the host copies and side
+            # streams are not traceable, the block is.
+            if compile:
+                block = torch.compile(block, fullgraph=True, backend=compile_backend)
+            layers.register_module(layer_id, OffloadedCheckpointBlock(block, offloader))
+            continue
         if ac_mode == "full":
             block = _checkpoint(block)
         elif ac_mode == "selective":
@@ -135,6 +166,16 @@ def parallelize_llama(
 
         register_fsdp_forward_method(model, "hidden_states")
     return model
+
+
+def _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks) -> None:
+    for name, value in (("mlp_tiles", mlp_tiles), ("loss_chunks", loss_chunks)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer, or None for automatic")
+    # 1 = untiled; None = tile count from the shapes at run time.
+    for block in layers.values():
+        block.feed_forward.num_tiles = mlp_tiles if tiled_mlp else 1
+    model.output.loss_chunks = loss_chunks if tiled_loss else 1
 
 
 def _blocks(model: nn.Module) -> nn.ModuleDict:

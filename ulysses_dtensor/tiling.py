@@ -38,11 +38,28 @@ def _tiles(seq: int, num_tiles: int) -> list[tuple[int, int]]:
     return [(start, min(step, seq - start)) for start in range(0, seq, step)]
 
 
-class TiledMLP(nn.Module):
-    """Run ``mlp`` over tiles of the sequence dim (dim 1) of ``(batch, seq, dim)``.
+def tiled_forward(fn, x: Tensor, num_tiles: int) -> Tensor:
+    """``fn(x)`` for a per-token ``fn``, over ``num_tiles`` tiles of dim 1.
 
-    Wraps the module without renaming its parameters' owner: ``tiled.mlp.w1``.
-    ``num_tiles=None`` picks :func:`auto_num_tiles` from the shapes.
+    With grad, each tile is checkpointed: only one tile's intermediates are
+    ever alive, in forward and in backward.
+    """
+    tiles = _tiles(x.shape[1], num_tiles)
+    if len(tiles) == 1:
+        return fn(x)
+    if torch.is_grad_enabled():
+        outs = [checkpoint(fn, x.narrow(1, s, n), use_reentrant=False) for s, n in tiles]
+    else:
+        outs = [fn(x.narrow(1, s, n)) for s, n in tiles]
+    return torch.cat(outs, dim=1)
+
+
+class TiledMLP(nn.Module):
+    """Run any per-token ``mlp`` over tiles of the sequence dim of ``(batch, seq, dim)``.
+
+    For users' own models; the Llama here tiles inside its ``FeedForward``
+    (so parameter names do not change). ``num_tiles=None`` picks
+    :func:`auto_num_tiles` from the shapes.
     """
 
     def __init__(self, mlp: nn.Module, ffn_dim: int, num_tiles: int | None = None):
@@ -52,17 +69,8 @@ class TiledMLP(nn.Module):
         self.num_tiles = num_tiles
 
     def forward(self, x: Tensor) -> Tensor:
-        seq = x.shape[1]
-        n = self.num_tiles or auto_num_tiles(seq, self.ffn_dim, x.shape[-1])
-        if n <= 1 or not torch.is_grad_enabled():
-            return self.mlp(x) if n <= 1 else torch.cat(
-                [self.mlp(x.narrow(1, s, l)) for s, l in _tiles(seq, n)], dim=1
-            )
-        outs = [
-            checkpoint(self.mlp, x.narrow(1, start, length), use_reentrant=False)
-            for start, length in _tiles(seq, n)
-        ]
-        return torch.cat(outs, dim=1)
+        n = self.num_tiles or auto_num_tiles(x.shape[1], self.ffn_dim, x.shape[-1])
+        return tiled_forward(self.mlp, x, n)
 
 
 def _chunk_loss_sum(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int) -> Tensor:

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import LocalAttention, check_backend
+from ..loss import sp_cross_entropy
+from ..tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
 
 __all__ = [
     "FLAVORS",
@@ -230,16 +232,52 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``.
+
+    ``num_tiles`` (set by ``parallelize_llama(tiled_mlp=...)``): 1 computes
+    it whole; n > 1 over n sequence tiles, recomputed per tile in backward, so
+    the (seq, ffn_dim) intermediates never exist whole; None picks n from the
+    shapes. Tiling lives here, not in a wrapper, so parameter names (and
+    checkpoints) are the same either way.
+    """
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.num_tiles: int | None = 1
+
+    def _swiglu(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        n = self.num_tiles or auto_num_tiles(x.shape[1], self.w1.out_features, x.shape[-1])
+        return tiled_forward(self._swiglu, x, n)
+
+
+class OutputHead(nn.Linear):
+    """The vocabulary projection; given labels, this rank's loss share instead.
+
+    ``loss_chunks`` (set by ``parallelize_llama(tiled_loss=...)``): 1 makes
+    the whole ``(B, s, vocab)`` logits; n > 1 computes logits and loss over n
+    sequence chunks, never all at once; None picks n from the shapes. The loss
+    is computed inside this module's forward so that under FSDP2 it runs with
+    the gathered weight.
+    """
+
+    loss_chunks: int | None = 1
+
+    def forward(
+        self, h: Tensor, labels: Tensor | None = None, num_valid_tokens: Tensor | int | None = None
+    ) -> Tensor:
+        if labels is None:
+            return super().forward(h)
+        if self.loss_chunks == 1:
+            return sp_cross_entropy(super().forward(h), labels, num_valid_tokens=num_valid_tokens)
+        return tiled_sp_cross_entropy(
+            h, self.weight, labels, num_valid_tokens, num_chunks=self.loss_chunks
+        )
 
 
 class TransformerBlock(nn.Module):
@@ -267,7 +305,7 @@ class Llama(nn.Module):
             {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputHead(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Set by parallelize_llama when sp > 1: default position ids are then
@@ -318,14 +356,31 @@ class Llama(nn.Module):
         input_ids: Tensor,
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
+        *,
+        labels: Tensor | None = None,
+        num_valid_tokens: Tensor | int | None = None,
     ) -> Tensor:
-        """Logits ``(B, s_local, vocab)`` for this rank's tokens.
+        """Logits ``(B, s_local, vocab)`` for this rank's tokens, or its loss share.
 
         ``position_ids``: (B, s_local) GLOBAL positions (``shard_batch`` gives
         them); default ``arange`` offset by this rank's slice. ``document_ids``:
         (B, S_full) for packed-document masking, or None for plain causal.
+        With ``labels`` (shifted, this rank's slice) it returns this rank's
+        share of the global token-mean cross entropy: the local sum divided by
+        ``num_valid_tokens``, the valid-label count of the WHOLE global batch
+        (see :func:`~ulysses_dtensor.loss.count_valid_tokens`). This is the
+        path the tiled loss takes.
         """
-        return self.output(self._hidden(input_ids, position_ids, document_ids))
+        h = self._hidden(input_ids, position_ids, document_ids)
+        if labels is None:
+            return self.output(h)
+        if num_valid_tokens is None:
+            raise ValueError(
+                "labels given without num_valid_tokens: pass the valid-label count of the "
+                "whole global batch (count_valid_tokens(labels, pmesh.loss)) so every rank "
+                "divides by the same number"
+            )
+        return self.output(h, labels, num_valid_tokens)
 
     # -- sizes ---------------------------------------------------------------
 

@@ -171,6 +171,17 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class Memory:
+    tiled_mlp: bool = _f(False, "compute each MLP over sequence tiles (no whole (seq, ffn) tensors)")
+    mlp_tiles: int = _f(0, "MLP tiles (0: from the shapes, about seq*ffn/dim^2)")
+    tiled_loss: bool = _f(False, "compute logits + loss over sequence chunks (no whole (seq, vocab) logits)")
+    loss_chunks: int = _f(0, "loss chunks (0: from the shapes)")
+    offload_activations: bool = _f(
+        False, "keep checkpointed block inputs in pinned host memory (needs activation_checkpoint.mode='full')"
+    )
+
+
+@dataclass
 class Metrics:
     log_freq: int = _f(1, "print a console line every this many steps")
     enable_tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboard)")
@@ -190,6 +201,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    memory: Memory = field(default_factory=Memory)
     metrics: Metrics = field(default_factory=Metrics)
 
     # ----------------------------------------------------------- derived
@@ -501,6 +513,14 @@ def _check_values(cfg: JobConfig) -> None:
         raise ConfigError(
             f"activation_checkpoint.selective={sel!r}; valid: 'op' or a layer interval "
             f"like '2'"
+        )
+    positive("memory.mlp_tiles", cfg.memory.mlp_tiles, 0)
+    positive("memory.loss_chunks", cfg.memory.loss_chunks, 0)
+    if cfg.memory.offload_activations and cfg.activation_checkpoint.mode != "full":
+        raise ConfigError(
+            f"memory.offload_activations=true needs activation_checkpoint.mode='full' "
+            f"(got {cfg.activation_checkpoint.mode!r}): it offloads the block inputs that "
+            f"full checkpointing keeps"
         )
     if not cfg.job.dump_folder:
         raise ConfigError("job.dump_folder must not be empty")

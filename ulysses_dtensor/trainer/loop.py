@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..batch import shard_batch
 from ..data import PackedLoader, TokenStream, build_source, build_tokenizer, padded_vocab_size
-from ..loss import count_valid_tokens, global_loss, sp_cross_entropy
+from ..loss import count_valid_tokens, global_loss
 from ..schedule import LRSchedule
 from .checkpoint import CheckpointManager
 from .config import ConfigError, JobConfig, model_args, validate_config
@@ -93,6 +93,11 @@ def build_model(cfg: JobConfig, pmesh, vocab_size: int, device: torch.device):
         param_dtype=_DTYPES[cfg.training.mixed_precision_param],
         reduce_dtype=_DTYPES[cfg.training.mixed_precision_reduce],
         pack_qkv=cfg.training.pack_qkv,
+        tiled_mlp=cfg.memory.tiled_mlp,
+        mlp_tiles=cfg.memory.mlp_tiles or None,
+        tiled_loss=cfg.memory.tiled_loss,
+        loss_chunks=cfg.memory.loss_chunks or None,
+        offload_activations=cfg.memory.offload_activations,
     )
     model.to_empty(device=device)
     model.init_weights(seed=cfg.job.seed)
@@ -222,13 +227,15 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         for i in range(0, n_rows, micro):
             rows_ = slice(i, i + micro)
             docs = local["document_ids"]
-            logits = model(
+            # With labels the model returns this rank's loss share; the head
+            # computes it chunk by chunk when memory.tiled_loss is on.
+            loss = model(
                 local["input_ids"][rows_],
                 position_ids=local["position_ids"][rows_],
                 document_ids=None if docs is None else docs[rows_],
+                labels=local["labels"][rows_],
+                num_valid_tokens=n_valid,
             )
-            loss = sp_cross_entropy(logits, local["labels"][rows_], num_valid_tokens=n_valid)
-            del logits
             loss.backward()
             loss_sum += loss.detach()
 
