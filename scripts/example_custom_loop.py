@@ -25,6 +25,7 @@ from ulysses_dtensor import (
     sp_cross_entropy,
 )
 from ulysses_dtensor.models.llama import Llama, llama_args
+from ulysses_dtensor.runtime import finish_together
 
 
 def synthetic_batch(step, batch_size, seq_len, vocab, dp_rank):
@@ -66,6 +67,12 @@ def main():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    with finish_together():  # barrier, then destroy the process group
+        train(args, device)
+
+
+def train(args, device):
+    cuda = device.type == "cuda"
     pmesh = ParallelDims(dp_replicate=args.dp_replicate, dp_shard=-1, sp=args.sp).build_mesh(device.type)
 
     # 2. Model on meta, parallelized (Ulysses attention, AC, compile, FSDP2), then materialised.
@@ -96,8 +103,6 @@ def main():
         loss_value = global_loss(loss, pmesh.loss).item()  # a collective: every rank calls it
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss_value:.4f} grad_norm {grad_norm.item():.4f}", flush=True)
-
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

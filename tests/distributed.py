@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ulysses_dtensor.runtime import finish_together
+
 TIMEOUT = datetime.timedelta(seconds=180)
 
 
@@ -30,10 +32,8 @@ def _entry(rank: int, world_size: int, store_path: str, fn, args) -> None:
         world_size=world_size,
         timeout=TIMEOUT,
     )
-    try:
+    with finish_together():
         fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 def run_ranks(world_size: int, fn, *args) -> None:

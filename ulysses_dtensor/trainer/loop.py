@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..batch import shard_batch
+from ..runtime import finish_together
 from ..data import PackedLoader, TokenStream, build_source, build_tokenizer, padded_vocab_size
 from ..loss import count_valid_tokens, global_loss
 from ..schedule import LRSchedule
@@ -124,15 +125,10 @@ def train(cfg: JobConfig) -> list[dict]:
     )
 
     device, owns_group = init_distributed()
-    try:
-        rows = _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule)
-        # Finish together: a rank that exits while a peer still talks to it
-        # can abort the peer's gloo threads ("terminate called ...").
-        dist.barrier()
-        return rows
-    finally:
-        if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+    if not owns_group:  # a caller's group: leave its lifetime to the caller
+        return _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule)
+    with finish_together():
+        return _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule)
 
 
 def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule) -> list[dict]:
