@@ -95,11 +95,15 @@ CATEGORY_LABELS = {
     "attn_workspace": "attention backward workspace (FA2, untraced: from shapes)",
 }
 KIND_LABELS = {
-    "logits": "logits & loss, (tokens x vocab) tensors",
-    "mlp": "MLP hidden, (tokens x ffn_dim) tensors",
-    "attention": "attention kernel out + logsumexp",
-    "a2a": "Ulysses all-to-all outputs",
-    "other": "other",
+    "logits": "output head: logits, loss and their grads",
+    "mlp": "MLP (SwiGLU hidden states)",
+    "norm": "RMSNorm (float32 upcasts)",
+    "attn_proj": "attention projections + rope (q, k, v, o)",
+    "a2a": "Ulysses all-to-all buffers (+ packing copies)",
+    "attention": "attention kernel (out, logsumexp, dq/dk/dv)",
+    "embedding": "embedding",
+    "block": "block residual stream",
+    "other": "outside the model (loss sum, clipping, offload copies, ...)",
 }
 _ACTIVATION_CATEGORIES = ("Activation", "Temp")
 PHASES = ("setup", "forward", "backward", "clip", "optimizer", "zero_grad")
@@ -305,7 +309,7 @@ def _make_tracker_cls():
             return out
 
         def _track(self, reftype, t):
-            self._pending_kind = self._classify(self._func, t) if self._func is not None else None
+            self._pending_kind = self._classify(self._func, t, self._mod_tracker.parents)
             try:
                 super()._track(reftype, t)
             finally:
@@ -339,20 +343,52 @@ def _make_tracker_cls():
     return StepTracker
 
 
+# Module names (components of a parameter FQN) -> kind, innermost first wins.
+_MODULE_KINDS = {
+    "inner": "a2a",  # the LocalAttention that Ulysses wraps: exchange + packing copies
+    "feed_forward": "mlp",
+    "attention_norm": "norm",
+    "ffn_norm": "norm",
+    "norm": "norm",
+    "attention": "attn_proj",
+    "output": "logits",
+    "tok_embeddings": "embedding",
+}
+
+
 def _classifier(vocab: int, ffn: int, dim: int):
-    def classify(func, t: torch.Tensor):
+    """(op, output tensor, active module FQNs) -> kind of the tensor, for the by-kind view.
+
+    The attention kernel and the all-to-all are recognised by op; everything
+    else by the innermost active module of the model (forward, recompute, or
+    the backward of that module); outside any module by shape.
+    """
+
+    def classify(func, t: torch.Tensor, parents) -> str:
         name = getattr(func, "__name__", str(func))
         if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
             return "attention"
         if "all_to_all" in name:
             return "a2a"
-        if t.dim() >= 2:
-            weight_like = t.dim() == 2 and t.shape[0] == dim
-            if t.shape[-1] == vocab and not weight_like:
+        best, depth = None, -1
+        for fqn in parents:
+            d = fqn.count(".")
+            if d > depth:
+                best, depth = fqn, d
+        if best is not None and best != "Global":
+            parts = best.split(".")
+            for part in reversed(parts):
+                kind = _MODULE_KINDS.get(part)
+                if kind is not None:
+                    return kind
+            if "layers" in parts:
+                return "block"
+        if t.dim() >= 2 and not (t.dim() == 2 and t.shape[0] == dim):
+            if t.shape[-1] == vocab:
                 return "logits"
-            if t.shape[-1] == ffn and not weight_like:
+            if t.shape[-1] == ffn:
                 return "mlp"
-        return None
+        return "other"
 
     return classify
 
