@@ -31,6 +31,7 @@ from ..schedule import LRSchedule
 from .checkpoint import CheckpointManager
 from .config import ConfigError, JobConfig, model_args, validate_config
 from .metrics import MetricsLogger
+from .step import build_optimizer, train_step
 
 __all__ = ["train", "init_distributed", "resolve_vocab_size"]
 
@@ -132,21 +133,12 @@ def train(cfg: JobConfig) -> list[dict]:
 
 
 def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule) -> list[dict]:
-    from ..parallelize import clip_grad_norm_
-
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.job.seed)
     pmesh = dims.build_mesh(device.type)
 
     model = build_model(cfg, pmesh, vocab_size, device)
-    opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=opt.lr,
-        betas=tuple(opt.betas),
-        eps=opt.eps,
-        weight_decay=opt.weight_decay,
-    )
+    optimizer = build_optimizer(cfg, model)
     stream = TokenStream(source, tokenizer, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
     loader = PackedLoader(stream, dp_rank=pmesh.dp_rank, dp_size=dims.dp)
 
@@ -217,30 +209,17 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         # Valid targets of the whole global batch: every rank divides by it.
         n_valid = count_valid_tokens(local["labels"], pmesh.loss)
 
-        n_rows = local["input_ids"].shape[0]
-        micro = cfg.training.micro_batch_size or n_rows
-        loss_sum = torch.zeros((), device=device)
-        for i in range(0, n_rows, micro):
-            rows_ = slice(i, i + micro)
-            docs = local["document_ids"]
-            # With labels the model returns this rank's loss share; the head
-            # computes it chunk by chunk when memory.tiled_loss is on.
-            loss = model(
-                local["input_ids"][rows_],
-                position_ids=local["position_ids"][rows_],
-                document_ids=None if docs is None else docs[rows_],
-                labels=local["labels"][rows_],
-                num_valid_tokens=n_valid,
-            )
-            loss.backward()
-            loss_sum += loss.detach()
-
-        grad_norm = clip_grad_norm_(params, max_norm)
-        lr = opt.lr * lr_schedule(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        lr = cfg.optimizer.lr * lr_schedule(step)
+        loss_sum, grad_norm = train_step(
+            model,
+            optimizer,
+            local,
+            n_valid,
+            micro_batch_size=cfg.training.micro_batch_size,
+            max_norm=max_norm,
+            lr=lr,
+            params=params,
+        )
 
         loss_value = global_loss(loss_sum, pmesh.loss).item()
         grad_norm = float(grad_norm)

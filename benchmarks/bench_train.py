@@ -1,0 +1,711 @@
+"""Training-step throughput, MFU and peak memory vs sequence length.
+
+One JSON object per configuration (flavor, mesh, sequence length, ...) on
+stdout. A step is the trainer's own step (``trainer.step.train_step``):
+forward with labels (this rank's loss share), backward (FSDP2 reduce-scatter),
+``clip_grad_norm_``, AdamW step, zero grad, of the model as
+``parallelize_llama`` builds it.
+
+Two modes:
+
+``--mode real``
+    Real ranks run real steps: for every sp in ``--sp`` the script spawns
+    ``--world`` ranks (default: sp; gloo on CPU, nccl on CUDA, one GPU per
+    rank), or runs as one rank under ``torchrun``. Figures are measured:
+    median step time after warm-up (per iteration the slowest rank), tokens/s
+    global and per device, MFU, peak memory, and the bytes each rank sent
+    through the Ulysses all-to-all in one step (counted with
+    ``CollectiveCounter`` on an eager step and checked against
+    ``n_layers x exchange_bytes_per_rank``, the forward exchange counted twice
+    for recomputed blocks).
+
+``--mode simulate --world N --sp P``
+    ONE process stands in for rank 0 of a world of N: a fake process group
+    (collectives are skipped; their outputs have the right shapes and
+    unspecified contents), real compute, real allocations: the per-rank
+    step of a large job on one device. The skipped communication is added
+    back from the bytes counted on the step and a stated bandwidth
+    (``--link-gbps``; FSDP all-gather / reduce-scatter from their counted
+    bytes with ``--fsdp-gbps``): every such figure sits in a block labelled
+    ``"modelled": true`` with the bandwidths used. The measured
+    communication-free step is reported beside it (``compute_only``).
+
+Examples::
+
+    python benchmarks/bench_train.py --mode real --flavor debug --sp 1 2 4 --seq 256 1024 2048
+    python benchmarks/bench_train.py --mode simulate --flavor llama3_8b --world 8 --sp 8 \\
+        --local-seq 32K 128K --ac full --tiled-loss --tiled-mlp --compile
+    torchrun --nproc_per_node=8 benchmarks/bench_train.py --mode real --flavor llama3_8b --seq 64K
+
+See benchmarks/README.md for every field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _common as C  # noqa: E402
+
+from ulysses_dtensor.batch import shard_batch  # noqa: E402
+from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
+from ulysses_dtensor.loss import count_valid_tokens  # noqa: E402
+from ulysses_dtensor.mesh import ParallelDims  # noqa: E402
+from ulysses_dtensor.models.llama import Llama, llama_args  # noqa: E402
+from ulysses_dtensor.parallelize import parallelize_llama  # noqa: E402
+from ulysses_dtensor.runtime import finish_together  # noqa: E402
+from ulysses_dtensor.trainer.step import train_step  # noqa: E402
+from ulysses_dtensor.ulysses import exchange_bytes_per_rank  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Dense peak FLOP/s per device for the MFU denominator (bf16/fp16 tensor cores).
+PEAK_FLOPS_16BIT = (("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+QUICK_REAL = {"flavor": "debug", "sp": [1, 2], "seq": [128], "warmup": 1, "iters": 2, "threads": 1}
+QUICK_SIM = {"flavor": "debug", "sp": [4], "world": 4, "seq": [256], "warmup": 1, "iters": 2, "threads": 1}
+DEFAULT_LINK_GBPS = 400.0
+LINK_ASSUMPTION = (
+    "all-to-all time = sent bytes per rank / link_gbps (+ calls x latency); "
+    "default 400 GB/s per GPU per direction, NVLink-class intra-node (H100 SXM NVLink4: "
+    "450 GB/s per direction nominal; NCCL all-to-all reaches less). The all-to-all is on "
+    "the critical path (not overlapped)"
+)
+FSDP_ASSUMPTION = (
+    "FSDP all-gather / reduce-scatter (and HSDP all-reduce) time = counted bytes this rank "
+    "sends in a ring ((N-1) shards per all-gather / reduce-scatter, 2(N-1)/N of the buffer "
+    "per all-reduce) / fsdp_gbps (+ calls x latency), same link class as the all-to-all. "
+    "step_ms adds it in full (no overlap: upper bound); step_ms_fsdp_overlapped assumes "
+    "FSDP2 prefetching hides it behind compute (lower bound)"
+)
+NOT_MODELLED = (
+    "scalar all-reduces (global valid-token count, grad-norm) are skipped and not modelled; "
+    "no contention between the all-to-all and FSDP traffic is modelled"
+)
+
+
+# --------------------------------------------------------------------------- #
+# Arguments
+# --------------------------------------------------------------------------- #
+
+
+def parse_size(text: str) -> int:
+    """``4096``, ``32K`` (= 32768), ``1M`` (= 1048576)."""
+    t = str(text).strip().upper()
+    mult = 1
+    if t.endswith("K"):
+        mult, t = 1024, t[:-1]
+    elif t.endswith("M"):
+        mult, t = 1024 * 1024, t[:-1]
+    try:
+        value = int(t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4096, 32K, 1M)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--override {text!r}: expected FIELD=VALUE (e.g. n_layers=4)")
+    key, value = text.split("=", 1)
+    for cast in (int, float):
+        try:
+            return key.strip(), cast(value)
+        except ValueError:
+            pass
+    if value.lower() in ("true", "false"):
+        return key.strip(), value.lower() == "true"
+    return key.strip(), value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["real", "simulate"], default="real")
+    p.add_argument("--flavor", help="model flavor (models.llama.FLAVORS); default debug")
+    p.add_argument("--override", type=parse_override, action="append", default=[], metavar="FIELD=VALUE",
+                   help="replace a LlamaArgs field, e.g. --override n_layers=4 (repeatable)")
+    p.add_argument("--sp", type=int, nargs="+", help="sp degrees (default: real 1 2 4; simulate 8)")
+    p.add_argument("--world", type=int,
+                   help="world size (real: ranks spawned, default = sp; simulate: the world rank 0 "
+                        "stands in for, default = sp); dp_shard = world / (dp_replicate * sp)")
+    p.add_argument("--dp-replicate", type=int, default=1)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--seq", type=parse_size, nargs="+", help="total sequence lengths (e.g. 2048 32K)")
+    g.add_argument("--local-seq", type=parse_size, nargs="+",
+                   help="per-rank sequence slices instead: seq = local_seq * sp")
+    p.add_argument("--layers", type=int, nargs="+",
+                   help="sweep n_layers over these values (overrides the flavor's and --override's)")
+    p.add_argument("--extrapolate-layers", type=int, metavar="N",
+                   help="with >= 2 --layers values: also emit a record for n_layers=N from a linear fit "
+                        "(labelled modelled/extrapolated), for shapes too slow to run in full")
+    p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel group per step")
+    p.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="activation checkpointing")
+    p.add_argument("--selective-ac", default="op", help="with --ac selective: 'op' or k (every k-th block)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (fullgraph)")
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="compute (FSDP param) dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--reduce-dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--pack-qkv", action="store_true")
+    p.add_argument("--tiled-mlp", action="store_true")
+    p.add_argument("--mlp-tiles", type=int)
+    p.add_argument("--tiled-loss", action="store_true")
+    p.add_argument("--loss-chunks", type=int)
+    p.add_argument("--offload-activations", action="store_true", help="needs --ac full")
+    p.add_argument("--attn-backend", help="LlamaArgs.attn_backend (default: the flavor's, sdpa)")
+    p.add_argument("--max-norm", type=float, default=1.0)
+    p.add_argument("--warmup", type=int,
+                   help="untimed steps (the first one also counts collectives, eager); default 2")
+    p.add_argument("--iters", type=int, help="timed steps (median reported); default 5")
+    p.add_argument("--threads", type=int, help="torch threads per process (default: real cores // ranks, simulate all cores; use 1 on a shared CPU box)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--peak-flops", type=float, help="peak FLOP/s per device for MFU (default: table by GPU name)")
+    p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS,
+                   help="simulate: all-to-all bandwidth per rank per direction, GB/s (1e9 B/s); default 400")
+    p.add_argument("--fsdp-gbps", type=float, help="simulate: FSDP collective bandwidth, GB/s (default = --link-gbps)")
+    p.add_argument("--latency-us", type=float, default=0.0, help="simulate: added per modelled collective call")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true",
+                   help=f"tiny smoke run: real {QUICK_REAL}; simulate {QUICK_SIM}")
+    a = p.parse_args(argv)
+    a.sp_given = a.sp is not None
+    if a.quick:
+        base = dict(QUICK_SIM if a.mode == "simulate" else QUICK_REAL)
+    else:
+        base = {"flavor": "debug", "sp": [8] if a.mode == "simulate" else [1, 2, 4],
+                "seq": [1024], "warmup": 2, "iters": 5}
+    for key, value in base.items():
+        if key == "seq" and a.local_seq is not None:
+            continue
+        if getattr(a, key, None) is None:
+            setattr(a, key, value)
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.dtype == "auto":
+        a.dtype = "bfloat16" if a.device == "cuda" else "float32"
+    if a.fsdp_gbps is None:
+        a.fsdp_gbps = a.link_gbps
+    if a.warmup < 1:
+        p.error("--warmup must be >= 1 (the first untimed step counts the collectives)")
+    if a.iters < 1:
+        p.error("--iters must be >= 1")
+    if a.offload_activations and a.ac != "full":
+        p.error("--offload-activations needs --ac full")
+    if a.mode == "simulate" and a.world is None and len(a.sp) > 1:
+        a.world = max(a.sp)
+    if a.extrapolate_layers and len(set(a.layers or [])) < 2:
+        p.error("--extrapolate-layers needs --layers with at least two distinct values")
+    if a.attn_backend:
+        a.override.append(("attn_backend", a.attn_backend))
+    llama_args(a.flavor, **dict(a.override))  # unknown flavor / field: clear error now
+    return a
+
+
+# --------------------------------------------------------------------------- #
+# Counting the plain c10d collectives of FSDP2 (all-gather, reduce-scatter)
+# --------------------------------------------------------------------------- #
+
+
+class FsdpTraffic(TorchDispatchMode):
+    """Counts ``c10d::*`` collectives (what FSDP2 issues) and the bytes this rank sends.
+
+    Per op, bytes that leave this rank in a ring over the op's group of N:
+    all-gather: N-1 input shards; reduce-scatter: N-1 output shards;
+    all-reduce: 2(N-1)/N of the buffer; anything else: its input. The
+    functional collectives (the Ulysses all-to-all) are left to
+    ``CollectiveCounter``.
+    """
+
+    # op name -> (index of the tensor that sizes it, kind)
+    _OPS = {
+        "_allgather_base_": (1, "all_gather"),
+        "allgather_into_tensor_coalesced_": (1, "all_gather"),
+        "_reduce_scatter_base_": (0, "reduce_scatter"),
+        "reduce_scatter_tensor_coalesced_": (0, "reduce_scatter"),
+        "allreduce_": (0, "all_reduce"),
+        "allreduce_coalesced_": (0, "all_reduce"),
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+        self.sent: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            name = func._overloadpacket.__name__
+            if name not in ("barrier", "monitored_barrier_"):
+                idx, kind = self._OPS.get(name, (0, name))
+                nbytes = sum(t.numel() * t.element_size() for t in _tensors(args[idx] if len(args) > idx else []))
+                n = _group_size(args)
+                if kind in ("all_gather", "reduce_scatter"):
+                    sent = nbytes * (n - 1)
+                elif kind == "all_reduce":
+                    sent = 2 * nbytes * (n - 1) // n
+                else:
+                    sent = nbytes
+                self.calls[kind] = self.calls.get(kind, 0) + 1
+                self.sent[kind] = self.sent.get(kind, 0) + sent
+        return func(*args, **kwargs)
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def _group_size(args) -> int:
+    for a in args:
+        if isinstance(a, dist.ProcessGroup):
+            return a.size()
+        if isinstance(a, torch.ScriptObject):
+            with contextlib.suppress(Exception):
+                return dist.ProcessGroup.unbox(a).size()
+    return dist.get_world_size()
+
+
+# --------------------------------------------------------------------------- #
+# Expected figures
+# --------------------------------------------------------------------------- #
+
+
+def recomputed_blocks(a, n_layers: int) -> int:
+    """Blocks whose forward (and so its all-to-alls) runs again in backward."""
+    if a.ac == "full":
+        return n_layers  # offloaded activations are a full checkpoint too
+    if a.ac == "selective" and a.selective_ac != "op":
+        return n_layers // int(a.selective_ac)
+    return 0  # none; selective "op" saves the all-to-all outputs
+
+
+def expected_a2a(a, args, seq: int, sp: int, element_size: int) -> dict:
+    n = args.n_layers
+    fwd = exchange_bytes_per_rank(a.batch, seq, args.n_heads, args.n_kv_heads, args.head_dim, sp,
+                                  element_size, backward=False)
+    per_layer = exchange_bytes_per_rank(a.batch, seq, args.n_heads, args.n_kv_heads, args.head_dim, sp,
+                                        element_size, backward=True)
+    r = recomputed_blocks(a, n)
+    expected = n * per_layer + r * fwd
+    return {
+        "expected_sent_bytes_per_rank": expected,
+        "per_layer_bytes": per_layer,
+        "recomputed_layers": r,
+        "ac_factor": round(expected / (n * per_layer), 6) if per_layer else 1.0,
+        "formula": "n_layers * exchange_bytes_per_rank(batch, seq, heads, kv_heads, head_dim, sp, "
+                   "element_size) + recomputed_layers * (its forward half)",
+    }
+
+
+def peak_flops(a, device: torch.device) -> tuple[float | None, str | None]:
+    if a.peak_flops:
+        return a.peak_flops, "--peak-flops"
+    if device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(device)
+    if a.dtype not in ("bfloat16", "float16"):
+        return None, f"no table entry for {a.dtype} on {name} (table: bf16/fp16 dense); pass --peak-flops"
+    for key, value in PEAK_FLOPS_16BIT:
+        if key in name:
+            return value, f"table: {key} {a.dtype} dense"
+    return None, f"{name} not in the peak table; pass --peak-flops"
+
+
+# --------------------------------------------------------------------------- #
+# One configuration
+# --------------------------------------------------------------------------- #
+
+
+def model_args(a, n_layers: int | None):
+    overrides = dict(a.override)
+    if n_layers is not None:
+        overrides["n_layers"] = n_layers
+    return llama_args(a.flavor, **overrides)
+
+
+def build(a, args, pmesh, device: torch.device):
+    with torch.device("meta"):
+        model = Llama(args)
+    selective = a.selective_ac if a.selective_ac == "op" else int(a.selective_ac)
+    model = parallelize_llama(
+        model, pmesh,
+        ac_mode=a.ac, selective_ac=selective,
+        compile=a.compile, compile_backend=a.compile_backend,
+        param_dtype=DTYPES[a.dtype], reduce_dtype=DTYPES[a.reduce_dtype],
+        pack_qkv=a.pack_qkv,
+        tiled_mlp=a.tiled_mlp, mlp_tiles=a.mlp_tiles,
+        tiled_loss=a.tiled_loss, loss_chunks=a.loss_chunks,
+        offload_activations=a.offload_activations,
+    )
+    model.to_empty(device=device)
+    model.init_weights(seed=a.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    return model, optimizer
+
+
+def make_batch(a, pmesh, seq: int, vocab: int, device: torch.device) -> dict:
+    gen = torch.Generator().manual_seed(a.seed * 1000 + pmesh.dp_rank)
+    ids = torch.randint(0, vocab, (a.batch, seq), generator=gen)
+    local = shard_batch({"input_ids": ids}, pmesh.sp)
+    return {k: (v.to(device) if v is not None else None) for k, v in local.items()}
+
+
+def resident_bytes(model, optimizer) -> int:
+    """Bytes of this rank's parameter shards and optimizer state (before a step: no grads)."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
+            if key not in seen:
+                seen.add(key)
+                total += local.numel() * local.element_size()
+
+    for p in model.parameters():
+        add(p)
+    for state in optimizer.state.values():
+        for v in state.values():
+            add(v)
+    return total
+
+
+def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -> dict:
+    """Build the parallelized model and run its steps: counted, warm-up, memory, timed."""
+    dims = pmesh.dims
+    sp, world = dims.sp, dims.world_size
+    if seq % sp:
+        raise ValueError(f"seq={seq} must be divisible by sp={sp} (tokens are split evenly)")
+    torch.manual_seed(a.seed)
+    model, optimizer = build(a, args, pmesh, device)
+    batch = make_batch(a, pmesh, seq, args.vocab_size, device)
+    if simulate:  # a fake all-reduce would not sum: the global count, directly
+        n_valid = torch.tensor(dims.dp * a.batch * (seq - 1), device=device)
+    else:  # constant across steps: counted once, outside the timed step
+        n_valid = count_valid_tokens(batch["labels"], pmesh.loss)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        train_step(model, optimizer, batch, n_valid, max_norm=a.max_norm, params=params)
+
+    # 1) first warm-up step, eager, counting every collective
+    a2a, fsdp = CollectiveCounter(), FsdpTraffic()
+    stance = torch.compiler.set_stance("force_eager") if a.compile else contextlib.nullcontext()
+    with stance, a2a, fsdp:
+        step()
+    C.sync(device)
+    # 2) the other warm-up steps (compiles with --compile)
+    for _ in range(a.warmup - 1):
+        step()
+    C.sync(device)
+    state = resident_bytes(model, optimizer)
+    # 3) memory: CPU has no peak counter -> a separate profiled (untimed) step
+    mem = {"resident_bytes": state}
+    if device.type != "cuda":
+        with C.PeakMemory(device) as pm:
+            step()
+        mem["step_peak_bytes"] = pm.peak_bytes
+        mem["method"] = ("CPU: PyTorch profiler allocation events over one step (untimed pass), "
+                         "plus resident parameter shards and optimizer state")
+    else:
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+    # 4) timed steps
+    barrier = None if simulate or world == 1 else dist.barrier
+    times = C.timed_interleaved({"step": step}, warmup=0, iters=a.iters, device=device, barrier=barrier)
+    if not simulate:
+        times = C.max_over_ranks(times, device)
+    if device.type == "cuda":
+        mem["step_peak_bytes"] = torch.cuda.max_memory_allocated(device) - start
+        mem["max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        mem["max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        mem["method"] = "CUDA: max_memory_allocated over the timed steps (relative to their start, and absolute)"
+    mem["peak_bytes"] = state + mem["step_peak_bytes"]
+    if not simulate and world > 1:  # the largest rank
+        t = torch.tensor([mem["peak_bytes"]], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        mem["max_over_ranks_peak_bytes"] = int(t[0].item())
+    mem["peak_gib"] = round(mem["peak_bytes"] / 2**30, 4)
+
+    raw = {
+        "times": times["step"],
+        "a2a_bytes": a2a.sent_bytes("all_to_all_single"),
+        "a2a_calls": a2a.counts().get("all_to_all_single", 0),
+        "a2a_other": {k: v for k, v in a2a.counts().items() if k != "all_to_all_single"},
+        "fsdp_calls": dict(fsdp.calls),
+        "fsdp_sent": dict(fsdp.sent),
+        "memory": mem,
+        "backend": dist.get_backend(),
+    }
+    del model, optimizer, params, batch, step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return raw
+
+
+def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, simulate: bool,
+                extrapolated: dict | None = None) -> dict:
+    """The JSON record of one configuration from what ``measure`` (or a fit) gave."""
+    sp, world = dims.sp, dims.world_size
+    with torch.device("meta"):
+        flops_model = Llama(args)  # unparallelized, on meta: parameter counts and FLOPs
+    step_s = raw["step_ms"] / 1e3 if extrapolated else statistics.median(raw["times"])
+    tokens_global = dims.dp * a.batch * seq
+    tokens_device = a.batch * seq // sp  # = tokens_global / world
+    fpt = flops_model.flops_per_token(seq)
+    peak, peak_src = peak_flops(a, device)
+
+    def figures(seconds: float) -> dict:
+        return {
+            "step_ms": round(seconds * 1e3, 4),
+            "tokens_per_s": round(tokens_global / seconds, 3),
+            "tokens_per_s_per_device": round(tokens_device / seconds, 3),
+            "tflops_per_device": round(fpt * tokens_device / seconds / 1e12, 6),
+            "mfu": round(fpt * tokens_device / seconds / peak, 6) if peak else None,
+        }
+
+    exp = expected_a2a(a, args, seq, sp, DTYPES[a.dtype].itemsize)
+    a2a_rec = {
+        "sent_bytes_per_rank": raw["a2a_bytes"],
+        "calls": raw["a2a_calls"],
+        **exp,
+        "bytes_match": raw["a2a_bytes"] == exp["expected_sent_bytes_per_rank"],
+        "other_functional_collectives": raw["a2a_other"],
+    }
+    rec = {
+        "bench": "train",
+        "mode": "simulate" if simulate else "real",
+        **C.env_info(device),
+        "world_size": world,
+        "processes": 1 if simulate else world,
+        "threads_per_rank": torch.get_num_threads(),
+        "communication": "skipped (fake process group); modelled below" if simulate else
+                         f"real ({raw['backend']})",
+        "config": {
+            "flavor": a.flavor,
+            "overrides": {**dict(a.override), **({"n_layers": args.n_layers} if a.layers else {})},
+            "model": {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
+                      "n_kv_heads": args.n_kv_heads, "head_dim": args.head_dim, "ffn_dim": args.ffn_dim,
+                      "vocab_size": args.vocab_size, "params": flops_model.num_params(),
+                      "attn_backend": args.attn_backend},
+            "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "sp": sp},
+            "seq": seq, "batch": a.batch, "local_seq": seq // sp,
+            "tokens_per_step": tokens_global, "tokens_per_rank": tokens_device,
+            "ac": a.ac, "selective_ac": a.selective_ac if a.ac == "selective" else None,
+            "compile": a.compile, "compile_backend": a.compile_backend if a.compile else None,
+            "dtype": a.dtype, "reduce_dtype": a.reduce_dtype, "pack_qkv": a.pack_qkv,
+            "tiled_mlp": a.tiled_mlp, "mlp_tiles": a.mlp_tiles, "tiled_loss": a.tiled_loss,
+            "loss_chunks": a.loss_chunks, "offload_activations": a.offload_activations,
+            "optimizer": "AdamW", "max_norm": a.max_norm, "warmup": a.warmup, "iters": a.iters,
+        },
+        "step_time": ({"median_ms": round(step_s * 1e3, 4)} if extrapolated else
+                      {**C.summarize(raw["times"]), "times_ms": [round(t * 1e3, 3) for t in raw["times"]]}),
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "peak_flops_source": peak_src,
+        "memory": raw["memory"],
+        "all_to_all": a2a_rec,
+        "fsdp": {"calls": raw["fsdp_calls"], "sent_bytes_per_rank": raw["fsdp_sent"]},
+    }
+    if extrapolated:
+        rec["extrapolated"] = extrapolated
+        a2a_rec["bytes_match"] = None  # not counted: the formula at n_layers
+        a2a_rec["note"] = "not counted: formula at the extrapolated n_layers; calls from the fit"
+    if not simulate:
+        rec["figures"] = {**figures(step_s), "modelled": bool(extrapolated)}
+    else:
+        lat = a.latency_us * 1e-6
+        a2a_s = raw["a2a_bytes"] / (a.link_gbps * 1e9) + raw["a2a_calls"] * lat
+        fsdp_s = sum(raw["fsdp_sent"].values()) / (a.fsdp_gbps * 1e9) + sum(raw["fsdp_calls"].values()) * lat
+        full = figures(step_s + a2a_s + fsdp_s)
+        overlapped = figures(step_s + a2a_s)
+        rec["compute_only"] = {**figures(step_s), "modelled": bool(extrapolated),
+                               "note": "measured on this device, every collective skipped"
+                                       + (" (extrapolated in n_layers)" if extrapolated else "")}
+        rec["figures"] = {
+            **full,
+            "step_ms_fsdp_overlapped": overlapped["step_ms"],
+            "tokens_per_s_per_device_fsdp_overlapped": overlapped["tokens_per_s_per_device"],
+            "mfu_fsdp_overlapped": overlapped["mfu"],
+            "modelled": True,
+            "link_gbps": a.link_gbps,
+            "fsdp_gbps": a.fsdp_gbps,
+            "latency_us": a.latency_us,
+            "compute_ms": round(step_s * 1e3, 4),
+            "all_to_all_ms": round(a2a_s * 1e3, 4),
+            "fsdp_ms": round(fsdp_s * 1e3, 4),
+            "assumptions": [LINK_ASSUMPTION, FSDP_ASSUMPTION, NOT_MODELLED],
+        }
+    return rec
+
+
+def _line_at(xs: list[int], ys: list[float], x: float) -> float:
+    """Least-squares line through (xs, ys), evaluated at x."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((xi - mx) ** 2 for xi in xs)
+    slope = sum((xi - mx) * (yi - my) for xi, yi in zip(xs, ys)) / sxx
+    return my + slope * (x - mx)
+
+
+def extrapolate(a, dims, device, seq: int, runs: dict[int, dict], *, simulate: bool) -> dict:
+    """A record for ``--extrapolate-layers N`` from runs at >= 2 layer counts (same seq)."""
+    n = a.extrapolate_layers
+    ls = sorted(runs)
+    args = model_args(a, n)
+    fit = lambda f: _line_at(ls, [f(runs[k]) for k in ls], n)  # noqa: E731
+    kinds = sorted({k for r in runs.values() for k in r["fsdp_sent"]})
+    exp = expected_a2a(a, args, seq, dims.sp, DTYPES[a.dtype].itemsize)
+    mem_keys = [k for k in ("resident_bytes", "step_peak_bytes", "peak_bytes", "max_allocated_bytes",
+                            "max_reserved_bytes") if all(k in runs[x]["memory"] for x in ls)]
+    mem = {k: int(round(fit(lambda r, k=k: r["memory"][k]))) for k in mem_keys}
+    mem["peak_gib"] = round(mem["peak_bytes"] / 2**30, 4)
+    mem["method"] = f"linear fit in n_layers of the measured {ls}"
+    raw = {
+        "step_ms": fit(lambda r: statistics.median(r["times"]) * 1e3),
+        "a2a_bytes": exp["expected_sent_bytes_per_rank"],  # the formula, exact for any n_layers
+        "a2a_calls": int(round(fit(lambda r: r["a2a_calls"]))),
+        "a2a_other": {},
+        "fsdp_calls": {k: int(round(fit(lambda r, k=k: r["fsdp_calls"].get(k, 0)))) for k in kinds},
+        "fsdp_sent": {k: int(round(fit(lambda r, k=k: r["fsdp_sent"].get(k, 0)))) for k in kinds},
+        "memory": mem,
+        "backend": runs[ls[0]]["backend"],
+    }
+    info = {
+        "n_layers": n,
+        "from_n_layers": ls,
+        "from_step_ms": [round(statistics.median(runs[k]["times"]) * 1e3, 4) for k in ls],
+        "modelled": True,
+        "method": "step time, memory and FSDP bytes/calls: least-squares line in n_layers through the "
+                  "measured runs, evaluated at n_layers (blocks are identical, so per-block cost is "
+                  "constant); all-to-all bytes: the exact formula at n_layers",
+    }
+    return make_record(a, args, dims, device, seq, raw, simulate=simulate, extrapolated=info)
+
+
+def sweep(a, pmesh, device, report, *, simulate: bool) -> bool:
+    """Every (seq, n_layers) of the sweep for one mesh; extrapolated records after each seq."""
+    ok = True
+    dims = pmesh.dims
+    for seq in seq_list(a, dims.sp):
+        runs = {}
+        for n_layers in a.layers or [None]:
+            args = model_args(a, n_layers)
+            try:
+                raw = measure(a, args, pmesh, device, seq, simulate=simulate)
+            except torch.OutOfMemoryError as e:
+                if not simulate:
+                    raise
+                gc.collect()  # one process: report and go on
+                torch.cuda.empty_cache()
+                report({"bench": "train", "mode": "simulate", **C.env_info(device),
+                        "world_size": dims.world_size,
+                        "config": {"flavor": a.flavor, "overrides": dict(a.override), "n_layers": args.n_layers,
+                                   "seq": seq, "batch": a.batch,
+                                   "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+                                            "sp": dims.sp}},
+                        "oom": True, "error": str(e).splitlines()[0]})
+                ok = False
+                continue
+            rec = make_record(a, args, dims, device, seq, raw, simulate=simulate)
+            if not rec["all_to_all"]["bytes_match"]:
+                msg = f"all-to-all bytes differ from the formula: {rec['all_to_all']}"
+                if not simulate:
+                    raise AssertionError(msg)
+                print(msg, file=sys.stderr)
+                ok = False
+            report(rec)
+            runs[args.n_layers] = raw
+        if a.extrapolate_layers and len(runs) >= 2:
+            report(extrapolate(a, dims, device, seq, runs, simulate=simulate))
+    return ok
+
+
+# --------------------------------------------------------------------------- #
+# Modes
+# --------------------------------------------------------------------------- #
+
+
+def seq_list(a, sp: int) -> list[int]:
+    return list(a.seq) if a.local_seq is None else [s * sp for s in a.local_seq]
+
+
+def real_worker(rank, world, device, report, a, sp):
+    dims = ParallelDims(dp_replicate=a.dp_replicate, dp_shard=-1, sp=sp, world_size=world)
+    pmesh = dims.build_mesh(device.type)
+    sweep(a, pmesh, device, report, simulate=False)
+
+
+def main_real(a) -> int:
+    env = C.torchrun_env()
+    if env is not None:  # one rank of torchrun: sp values that divide the world
+        rank, world, local_rank = env
+        out = C.stdout_for_records() if rank == 0 else None
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        device = C.init_distributed(a.device, rank, world, local_rank, None)
+        report = (lambda r: C.emit(r, out)) if rank == 0 else (lambda r: None)
+        with finish_together():
+            for sp in (a.sp if a.sp_given else [world // a.dp_replicate]):
+                real_worker(rank, world, device, report, a, sp)
+        return 0
+    ok = True
+    for sp in a.sp:
+        world = a.world or sp * a.dp_replicate
+        threads = a.threads or max(1, C.usable_cores() // world)
+        ok &= C.launch_ranks(world, real_worker, (a, sp), device_type=a.device, threads=threads)
+    return 0 if ok else 1
+
+
+def main_simulate(a) -> int:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    out = C.stdout_for_records()
+    torch.set_num_threads(a.threads or C.usable_cores())
+    if a.device == "cpu":
+        torch.set_flush_denormal(True)  # skipped collectives leave unspecified values behind
+    device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ok = True
+    for sp in a.sp:
+        world = a.world or sp * a.dp_replicate
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        try:
+            dims = ParallelDims(dp_replicate=a.dp_replicate, dp_shard=-1, sp=sp, world_size=world)
+            ok &= sweep(a, dims.build_mesh(device.type), device, lambda r: C.emit(r, out), simulate=True)
+        finally:
+            dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    t0 = time.perf_counter()
+    rc = main_simulate(a) if a.mode == "simulate" else main_real(a)
+    print(f"bench_train: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The training-step benchmark in its quick modes: JSON fields, exact bytes, labels.
+
+Runs ``benchmarks/bench_train.py --quick`` as subprocesses:
+
+* ``--mode real`` spawns gloo ranks (sp 1 and 2, full activation
+  checkpointing, so the recomputed forward exchange is in the count);
+* ``--mode simulate`` runs one process as rank 0 of a fake world of 4
+  (sp 4), where communication is skipped and modelled, at 2 and 3 layers,
+  plus the record extrapolated from them to 6 layers.
+
+Checks: one JSON object per configuration with the documented fields; the
+all-to-all bytes counted on a real step equal ``n_layers x
+exchange_bytes_per_rank`` plus one more forward exchange per recomputed
+block; modelled figures labelled with the bandwidths used and equal to the
+measured compute time plus bytes / bandwidth; tokens/s equal to tokens per
+step over the median step time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ulysses_dtensor.models.llama import Llama, llama_args
+from ulysses_dtensor.ulysses import exchange_bytes_per_rank
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_train.py")
+
+REAL_ARGS = ("--mode", "real", "--ac", "full")
+SIM_ARGS = ("--mode", "simulate", "--link-gbps", "100", "--latency-us", "5",
+            "--layers", "2", "3", "--extrapolate-layers", "6")
+
+
+def _run(args: tuple[str, ...], timeout: float = 120) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    return [json.loads(line) for line in lines]  # stdout is JSON lines only
+
+
+@pytest.fixture(scope="module")
+def records() -> dict[str, list[dict]]:
+    # Both modes at once: the real ranks and the simulating process overlap.
+    with ThreadPoolExecutor(2) as pool:
+        real = pool.submit(_run, REAL_ARGS)
+        sim = pool.submit(_run, SIM_ARGS)
+        return {"real": real.result(), "simulate": sim.result()}
+
+
+def _expected_a2a(cfg: dict, full_ac: bool) -> int:
+    m, sp = cfg["model"], cfg["mesh"]["sp"]
+    shape = (cfg["batch"], cfg["seq"], m["n_heads"], m["n_kv_heads"], m["head_dim"], sp, 4)
+    per_layer = exchange_bytes_per_rank(*shape)
+    forward = exchange_bytes_per_rank(*shape, backward=False)
+    assert per_layer == 2 * forward
+    # full AC recomputes every block's forward in backward, all-to-alls included
+    return m["n_layers"] * (per_layer + (forward if full_ac else 0))
+
+
+def _check_common(rec: dict, mode: str) -> None:
+    for key in ("device", "device_type", "torch", "date", "config", "step_time", "figures",
+                "memory", "all_to_all", "fsdp", "flops_per_token"):
+        assert key in rec, key
+    assert rec["bench"] == "train" and rec["mode"] == mode
+    cfg = rec["config"]
+    assert cfg["flavor"] == "debug" and cfg["dtype"] == "float32"
+    assert cfg["tokens_per_step"] == cfg["batch"] * cfg["seq"] * cfg["mesh"]["dp_replicate"] * cfg["mesh"]["dp_shard"]
+    assert cfg["tokens_per_rank"] == cfg["batch"] * cfg["seq"] // cfg["mesh"]["sp"]
+    st = rec["step_time"]
+    assert st["n"] == cfg["iters"] == len(st["times_ms"]) and st["median_ms"] > 0
+    # FLOPs per token: the model's own formula at the full sequence length
+    with torch.device("meta"):
+        model = Llama(llama_args("debug", n_layers=cfg["model"]["n_layers"]))
+    assert rec["flops_per_token"] == model.flops_per_token(cfg["seq"])
+    assert rec["peak_flops"] is None and rec["figures"]["mfu"] is None  # CPU: no peak
+    mem = rec["memory"]
+    assert mem["resident_bytes"] > 0 and mem["step_peak_bytes"] > 0
+    assert mem["peak_bytes"] == mem["resident_bytes"] + mem["step_peak_bytes"]
+    # counted all-to-all bytes == formula, AC recompute included
+    a2a = rec["all_to_all"]
+    expected = _expected_a2a(cfg, cfg["ac"] == "full")
+    assert a2a["expected_sent_bytes_per_rank"] == expected
+    assert a2a["sent_bytes_per_rank"] == expected and a2a["bytes_match"] is True
+    if cfg["mesh"]["sp"] > 1:
+        # 4 exchanges (q, k, v, out) forward + 4 backward per layer, +4 per recomputed layer
+        n_layers = cfg["model"]["n_layers"]
+        assert a2a["calls"] == 4 * (2 * n_layers + (n_layers if cfg["ac"] == "full" else 0))
+        assert a2a["ac_factor"] == (1.5 if cfg["ac"] == "full" else 1.0)
+        # FSDP2 traffic counted: parameters gathered, gradients reduce-scattered
+        assert rec["fsdp"]["calls"]["all_gather"] > 0 and rec["fsdp"]["calls"]["reduce_scatter"] > 0
+    else:
+        assert a2a["calls"] == 0 and expected == 0
+
+
+def _check_throughput(fig: dict, cfg: dict, step_ms: float) -> None:
+    seconds = step_ms / 1e3
+    assert fig["step_ms"] == pytest.approx(step_ms, rel=1e-4)
+    assert fig["tokens_per_s"] == pytest.approx(cfg["tokens_per_step"] / seconds, rel=1e-4)
+    assert fig["tokens_per_s_per_device"] == pytest.approx(cfg["tokens_per_rank"] / seconds, rel=1e-4)
+    world = cfg["mesh"]["dp_replicate"] * cfg["mesh"]["dp_shard"] * cfg["mesh"]["sp"]
+    assert fig["tokens_per_s"] == pytest.approx(fig["tokens_per_s_per_device"] * world, rel=1e-4)
+
+
+def test_real_mode(records):
+    recs = records["real"]
+    assert [r["config"]["mesh"]["sp"] for r in recs] == [1, 2]
+    for rec in recs:
+        _check_common(rec, "real")
+        assert rec["config"]["ac"] == "full"
+        assert rec["world_size"] == rec["processes"] == rec["config"]["mesh"]["sp"]
+        assert rec["communication"] == "real (gloo)"
+        fig = rec["figures"]
+        assert fig["modelled"] is False
+        _check_throughput(fig, rec["config"], rec["step_time"]["median_ms"])
+        if rec["world_size"] > 1:
+            assert rec["memory"]["max_over_ranks_peak_bytes"] >= rec["memory"]["peak_bytes"]
+
+
+def _check_modelled(rec: dict) -> None:
+    """Modelled figures: labelled, and compute + bytes / bandwidth + calls x latency."""
+    fig = rec["figures"]
+    assert fig["modelled"] is True
+    assert fig["link_gbps"] == 100.0 and fig["fsdp_gbps"] == 100.0 and fig["latency_us"] == 5.0
+    assert any("all-to-all" in s for s in fig["assumptions"])
+    assert any("FSDP" in s for s in fig["assumptions"])
+    a2a, fsdp = rec["all_to_all"], rec["fsdp"]
+    a2a_ms = (a2a["sent_bytes_per_rank"] / 100e9 + a2a["calls"] * 5e-6) * 1e3
+    fsdp_ms = (sum(fsdp["sent_bytes_per_rank"].values()) / 100e9 + sum(fsdp["calls"].values()) * 5e-6) * 1e3
+    assert a2a_ms > 0 and fsdp_ms > 0
+    assert fig["all_to_all_ms"] == pytest.approx(a2a_ms, abs=1e-4)
+    assert fig["fsdp_ms"] == pytest.approx(fsdp_ms, abs=1e-4)
+    assert fig["compute_ms"] == pytest.approx(rec["step_time"]["median_ms"], abs=1e-4)
+    modelled_ms = fig["compute_ms"] + fig["all_to_all_ms"] + fig["fsdp_ms"]
+    _check_throughput(fig, rec["config"], modelled_ms)
+    assert fig["step_ms_fsdp_overlapped"] == pytest.approx(fig["compute_ms"] + fig["all_to_all_ms"], abs=1e-3)
+    assert fig["tokens_per_s_per_device"] < rec["compute_only"]["tokens_per_s_per_device"]
+
+
+def test_simulate_mode(records):
+    recs = records["simulate"]
+    measured = [r for r in recs if "extrapolated" not in r]
+    assert [r["config"]["model"]["n_layers"] for r in measured] == [2, 3]
+    for rec in measured:
+        _check_common(rec, "simulate")
+        assert rec["world_size"] == 4 and rec["processes"] == 1
+        assert rec["config"]["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "sp": 4}
+        assert "skipped" in rec["communication"]
+        # the measured, communication-free step
+        comp = rec["compute_only"]
+        assert comp["modelled"] is False
+        _check_throughput(comp, rec["config"], rec["step_time"]["median_ms"])
+        _check_modelled(rec)
+
+
+def test_simulate_extrapolated(records):
+    recs = records["simulate"]
+    measured = {r["config"]["model"]["n_layers"]: r for r in recs if "extrapolated" not in r}
+    (rec,) = [r for r in recs if "extrapolated" in r]
+    assert recs[-1] is rec  # after the runs it is fitted from
+    ex = rec["extrapolated"]
+    assert ex["modelled"] is True and ex["n_layers"] == 6 and ex["from_n_layers"] == [2, 3]
+    cfg = rec["config"]
+    assert cfg["model"]["n_layers"] == 6
+    assert rec["compute_only"]["modelled"] is True  # a fit, not a measurement
+    # two points: the line through them, at 6 layers
+    t2, t3 = (measured[n]["step_time"]["median_ms"] for n in (2, 3))
+    assert rec["step_time"]["median_ms"] == pytest.approx(t2 + 4 * (t3 - t2), abs=1e-3)
+    # all-to-all bytes: the exact formula at 6 layers; calls: 8 per layer
+    assert rec["all_to_all"]["sent_bytes_per_rank"] == _expected_a2a(cfg, False)
+    assert rec["all_to_all"]["bytes_match"] is None and rec["all_to_all"]["calls"] == 8 * 6
+    with torch.device("meta"):
+        model = Llama(llama_args("debug", n_layers=6))
+    assert rec["flops_per_token"] == model.flops_per_token(cfg["seq"])
+    assert cfg["model"]["params"] == model.num_params()
+    _check_modelled(rec)
