@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ulysses_dtensor.runtime import finish_together
+from ulysses_dtensor.runtime import exit_process, finish_together
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=600)
 
@@ -440,6 +440,10 @@ def _rank_entry(rank, world_size, store_path, device_type, threads, out_queue, f
 
     with finish_together():
         fn(rank, world_size, device, report, *args)
+    # Records go through the queue's feeder thread: let it finish first.
+    out_queue.close()
+    out_queue.join_thread()
+    exit_process(0)  # done and flushed: skip the teardown that can abort (see runtime)
 
 
 def launch_ranks(

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ulysses_dtensor.runtime import finish_together
+from ulysses_dtensor.runtime import exit_process, finish_together
 
 TIMEOUT = datetime.timedelta(seconds=180)
 
@@ -34,6 +34,7 @@ def _entry(rank: int, world_size: int, store_path: str, fn, args) -> None:
     )
     with finish_together():
         fn(rank, world_size, *args)
+    exit_process(0)  # done and flushed: skip the teardown that can abort (see runtime)
 
 
 def run_ranks(world_size: int, fn, *args) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 import torch.distributed as dist
 
@@ -23,3 +25,20 @@ def finish_together():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def exit_process(code: int = 0) -> None:
+    """Flush and end a finished rank's process without interpreter teardown.
+
+    Seen here on loaded CPU machines (about 1 spawn in 100, 0 in 30 when
+    idle): a rank that finished its work and destroyed its process group
+    still aborted during interpreter shutdown with "terminate called without
+    an active exception", when C++ worker threads of the gloo groups were torn
+    down. That turns a finished job into a failure. A rank whose work is done
+    and flushed has nothing left for the teardown to do, so it skips it.
+    Only for ``__main__`` entry points and spawned workers, never in library
+    code.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .runtime import exit_process
 from .trainer.config import ConfigError, config_help, load_config
 
 
@@ -32,4 +33,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A finished rank exits without interpreter teardown (see runtime.exit_process).
+    exit_process(main())
