@@ -44,12 +44,18 @@ and, under GQA, dk/dv expanded to all query heads).
 
 Speed
 -----
-A full 8B step traces in ~15 s on one CPU core, 70B in about a minute. A
-search (``--max-seq-len``) plans many lengths, so by default it traces 2- and
-4-layer versions of the model and extrapolates every category linearly in the
-layer count per step phase, then CONFIRMS the answer and the next length up
-with full traces. ``--layers extrapolate`` does that for a single plan too and
-says so in the output.
+Tracing costs about a quarter of a millisecond per dispatched op. An untiled
+8B step traces in ~15 s, 70B in about a minute; tiling multiplies the ops (an
+8B step at 3.7M tokens on 8 ranks runs ~400 MLP tiles per block and ~3500
+loss chunks). ``layers="extrapolate"`` traces 4-, 5- and 6-block versions of
+the model instead, checks that the 5-block peaks lie on the line through the
+other two (else it traces every block), and extrapolates every phase's peak,
+category and kind linearly in the block count (exact where tested: see tests
+and benchmarks/RESULTS.md);
+``"auto"`` (the default) picks whichever dispatches fewer ops, and the output
+says which was done. A search (``--max-seq-len``) interpolates on the planned
+peaks (memory grows about linearly with the length) and then re-plans the
+boundary with full traces if it was found on extrapolated plans.
 """
 
 from __future__ import annotations
@@ -102,7 +108,7 @@ KIND_LABELS = {
     "a2a": "Ulysses all-to-all buffers (+ packing copies)",
     "attention": "attention kernel (out, logsumexp, dq/dk/dv)",
     "embedding": "embedding",
-    "block": "block residual stream",
+    "block": "in a block, no sub-module (mostly backward temps)",
     "other": "outside the model (loss sum, clipping, offload copies, ...)",
 }
 _ACTIVATION_CATEGORIES = ("Activation", "Temp")
@@ -495,7 +501,9 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
             with _no_weight_init():
                 model = build_model(cfg, pmesh, vocab, torch.device("cpu"))
             offloader = getattr(model, "offloader", None)
-            if offloader is not None:
+            if offloader is not None and device == "cuda":
+                # Host copies on "meta": free on the traced device, counted as host memory.
+                # (Planning for CPU keeps the trainer's CPU path: a copy in the same memory.)
                 offloader.host_device = torch.device("meta")
             optimizer = build_optimizer(cfg, model, foreach=foreach)
             # Steady state: the optimizer state exists before the traced step.
@@ -571,6 +579,54 @@ def _extrapolate(t1: _Trace, t2: _Trace, n_layers: int) -> _Trace:
 # --------------------------------------------------------------------------- #
 
 
+def _layer_counts(cfg) -> tuple[int, int, int]:
+    """Layer counts of the three traces an extrapolated plan is made from.
+
+    Four to six blocks: with fewer, the peak of the backward can sit next to a
+    block that is not like the others (the first block to run backward keeps
+    its gathered parameters and has no earlier reduce-scatter in flight; the
+    embedding is below block 0), and the peak then does not grow by the same
+    amount per block (seen on Llama-3-70B between 3 and 4 blocks). The middle
+    count checks linearity. Multiples of the selective-AC period so the
+    checkpointing pattern repeats.
+    """
+    period = 1
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective" and ac.selective != "op":
+        period = int(ac.selective)
+    return 4 * period, 5 * period, 6 * period
+
+
+def _same_peaks(a: "_Trace", b: "_Trace", rel: float = 1e-3, abs_bytes: int = 1 << 20) -> bool:
+    """Every phase's peak of ``a`` within ``rel`` (or 1 MiB) of ``b``'s."""
+    if set(a.phase_peaks) != set(b.phase_peaks):
+        return False
+    for ph, pa in a.phase_peaks.items():
+        pb = b.phase_peaks[ph]["total"]
+        if abs(pa["total"] - pb) > max(abs_bytes, rel * pb):
+            return False
+    return True
+
+
+def _cheaper_trace(cfg, args, s_local: int, counts: tuple[int, ...]) -> str:
+    """'full' or 'extrapolate', whichever dispatches fewer ops (the cost of a trace).
+
+    Rough relative costs, measured on Llama-3-8B traces: ~200 per untiled block,
+    ~40 more per MLP tile (forward, recompute and backward of each tile), ~10
+    per loss chunk; the extrapolated plan traces the loss once per trace.
+    """
+    from .tiling import auto_num_tiles
+
+    mem = cfg.memory
+    per_layer = 200
+    if mem.tiled_mlp:
+        per_layer += 40 * (mem.mlp_tiles or auto_num_tiles(s_local, args.ffn_dim, args.dim))
+    loss = 10 * ((mem.loss_chunks or auto_num_tiles(s_local, args.vocab_size, args.dim)) if mem.tiled_loss else 5)
+    full = args.n_layers * per_layer + loss
+    extrapolated = sum(counts) * per_layer + len(counts) * loss
+    return "extrapolate" if args.n_layers > counts[-1] and extrapolated < 0.7 * full else "full"
+
+
 def _default_world_size(cfg) -> int:
     p = cfg.parallelism
     return p.dp_replicate * p.sp * (p.dp_shard if p.dp_shard > 0 else 1)
@@ -608,7 +664,7 @@ def plan_memory(
     *,
     rows: int | None = None,
     device: str = "cuda",
-    layers: str = "full",
+    layers: str = "auto",
     foreach: bool | None = None,
 ) -> MemoryPlan:
     """Trace one training step of ``cfg`` on rank 0 of ``world_size`` fake ranks.
@@ -626,27 +682,38 @@ def plan_memory(
         device: ``"cuda"`` plans for GPUs (AdamW foreach as torch picks on CUDA,
             FlashAttention-2 backward workspace added from the traced shapes);
             ``"cpu"`` plans for this machine (no foreach, no workspace).
-        layers: ``"full"`` traces every layer; ``"extrapolate"`` traces 2 and 4
-            layers and extrapolates linearly in the layer count.
+        layers: ``"full"`` traces every layer; ``"extrapolate"`` traces 4, 5
+            and 6 layers and extrapolates linearly in the layer count (a full
+            trace if the three are not on a line); ``"auto"`` picks the one
+            with fewer ops to trace.
         foreach: AdamW's foreach flag (default: torch's choice on ``device``).
 
     The process must not have a process group (the planner makes a fake one).
     Raises :class:`~ulysses_dtensor.trainer.config.ConfigError` for a bad config.
     """
+    from .mesh import ParallelDims
     from .trainer.config import model_args, validate_config
 
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} must be 'cuda' or 'cpu'")
-    if layers not in ("full", "extrapolate"):
-        raise ValueError(f"layers={layers!r} must be 'full' or 'extrapolate'")
+    if layers not in ("full", "extrapolate", "auto"):
+        raise ValueError(f"layers={layers!r} must be 'full', 'extrapolate' or 'auto'")
     if world_size is None:
         world_size = _default_world_size(cfg)
     notes: list[str] = []
     cfg, seq_len, batch = _prepared_config(cfg, seq_len, rows, notes)
+    if rows is not None:
+        par = cfg.parallelism
+        try:
+            dp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size).dp
+        except ValueError:
+            dp = 1  # validate_config below raises the ConfigError
+        cfg.training.global_batch_size = rows * dp
+    else:
+        cfg.training.global_batch_size = batch
     dims = validate_config(cfg, world_size)
     if rows is None:
         rows = max(1, batch // dims.dp)
-    cfg.training.global_batch_size = rows * dims.dp
     micro = cfg.training.micro_batch_size or rows
     micro = min(micro, rows)
     traced_rows = min(rows, 2 * micro)
@@ -670,21 +737,36 @@ def plan_memory(
             f"vocabulary is {flavor_vocab} (plan it with --model.vocab_size {flavor_vocab})"
         )
 
-    if layers == "extrapolate" and args.n_layers > 4:
-        period = 1
-        ac = cfg.activation_checkpoint
-        if ac.mode == "selective" and ac.selective != "op":
-            period = int(ac.selective)
-        l1, l2 = 2 * period, 4 * period
+    l1, lm, l2 = _layer_counts(cfg)
+    if layers == "auto":
+        layers = _cheaper_trace(cfg, args, seq_len // dims.sp, (l1, lm, l2))
+    trace = None
+    if layers == "extrapolate" and args.n_layers > l2:
         traces = []
-        for n in (l1, l2):
+        for n in (l1, lm, l2):
             c = copy.deepcopy(cfg)
             c.model.n_layers = n
             traces.append(_trace_step(c, world_size, rows=traced_rows, micro=micro, device=device, foreach=foreach))
-        trace = _extrapolate(traces[0], traces[1], args.n_layers)
-        trace_info = {"layers_traced": [l1, l2], "extrapolated": True, "seconds": trace.seconds}
-    else:
+        spent = sum(t.seconds for t in traces)
+        middle = _extrapolate(traces[0], traces[2], lm)
+        if _same_peaks(middle, traces[1]):
+            trace = _extrapolate(traces[0], traces[2], args.n_layers)
+            trace.seconds = spent
+            trace_info = {"layers_traced": [l1, lm, l2], "extrapolated": True, "seconds": spent}
+            notes.append(
+                f"extrapolated to {args.n_layers} layers from traces of {l1} and {l2} layers, after "
+                f"checking that the {lm}-layer trace lies on that line (every phase's peak); "
+                f"--layers full traces every layer"
+            )
+        else:
+            notes.append(
+                f"the {l1}/{lm}/{l2}-layer traces are not linear in the layer count: traced all "
+                f"{args.n_layers} layers instead"
+            )
+    if trace is None:
         trace = _trace_step(cfg, world_size, rows=traced_rows, micro=micro, device=device, foreach=foreach)
+        if layers == "extrapolate" and args.n_layers > l2:
+            trace.seconds += spent
         trace_info = {"layers_traced": [args.n_layers], "extrapolated": False, "seconds": trace.seconds}
 
     peak_phase = max(trace.phase_peaks, key=lambda ph: trace.phase_peaks[ph]["total"])
@@ -776,6 +858,7 @@ def find_max_seq_len(
     rows: int = 1,
     device: str = "cuda",
     layers: str = "auto",
+    confirm: bool = True,
     foreach: bool | None = None,
     max_units: int = 1 << 16,
     log=None,
@@ -783,18 +866,19 @@ def find_max_seq_len(
     """Longest ``seq_len`` (a multiple of ``granularity * sp``) whose planned peak fits.
 
     Fits means ``peak <= budget_gib - headroom_gib``. ``rows`` sequences per dp
-    rank (default one). ``layers="auto"`` searches on extrapolated plans
-    (2- and 4-layer traces) and then confirms the answer and the next length up
-    with full traces, stepping further if a full trace disagrees; ``"full"``
-    uses full traces throughout; ``"extrapolate"`` never runs a full trace.
+    rank (default one). The search brackets the answer between a length that
+    fits and the next multiple up that does not, by interpolation on the
+    planned peaks (memory grows about linearly with the length), falling back
+    to bisection; every point is a traced plan (``layers`` as in
+    :func:`plan_memory`). With ``confirm``, boundary plans that were
+    extrapolated are redone with full traces and the bracket is fixed up.
     """
+    from .mesh import ParallelDims
     from .trainer.config import validate_config
 
     if world_size is None:
         world_size = _default_world_size(cfg)
     par = cfg.parallelism
-    from .mesh import ParallelDims
-
     try:
         sp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size).sp
     except ValueError:
@@ -804,56 +888,92 @@ def find_max_seq_len(
     limit = (budget_gib - headroom_gib) * GIB
     t0 = time.perf_counter()
     tried: list = []
-    search_layers = "full" if layers == "full" else "extrapolate"
-
-    def plan(k: int, how: str) -> MemoryPlan:
-        p = plan_memory(cfg, world_size, k * unit, rows=rows, device=device, layers=how, foreach=foreach)
-        tried.append((k * unit, p.peak_bytes, p.trace["extrapolated"]))
-        if log is not None:
-            log(f"  seq_len {k * unit:>12,}: {p.peak_gib:8.2f} GiB ({'extrapolated' if p.trace['extrapolated'] else 'full trace'}, {p.trace['seconds']:.0f} s)")
-        return p
-
-    def fits(p: MemoryPlan) -> bool:
-        return p.peak_bytes <= limit
-
-    # Grow until it does not fit, then bisect.
     cache: dict[tuple[int, str], MemoryPlan] = {}
 
     def get(k: int, how: str) -> MemoryPlan:
         if (k, how) not in cache:
-            cache[(k, how)] = plan(k, how)
+            p = plan_memory(cfg, world_size, k * unit, rows=rows, device=device, layers=how, foreach=foreach)
+            cache[(k, how)] = p
+            tried.append((k * unit, p.peak_bytes, p.trace["extrapolated"]))
+            if log is not None:
+                made = "extrapolated" if p.trace["extrapolated"] else "full trace"
+                log(f"  seq_len {k * unit:>12,}: {p.peak_gib:8.2f} GiB ({made}, {p.trace['seconds']:.0f} s)")
         return cache[(k, how)]
 
-    def search(lo: int, hi: int | None, how: str) -> int:
-        """Largest k with fits(k): lo fits (or is 0), hi does not (or unknown)."""
-        while hi is None:
-            k = max(1, lo * 2)
-            if k > max_units:
-                return lo
-            if fits(get(k, how)):
+    def search(how: str, lo: int = 0, hi: int | None = None) -> int:
+        """Largest k with a fitting plan, given lo fits (or is 0) and hi does not (or None)."""
+        peaks: dict[int, int] = {}
+
+        def fits(k: int) -> bool:
+            peaks[k] = get(k, how).peak_bytes
+            return peaks[k] <= limit
+
+        if lo == 0 and hi is None:
+            if not fits(1):
+                return 0
+            lo = 1
+        last_width = None
+        while hi is None or hi - lo > 1:
+            fit_ks = sorted(k for k in peaks if peaks[k] <= limit)
+            confident = True
+            if hi is None:
+                kb = fit_ks[-1]
+                # Slope over a wide span: the largest fitting point at most half of kb.
+                below = [k for k in fit_ks if k <= kb // 2] or fit_ks[:-1]
+                ka = below[-1] if below else None
+                if ka is not None and peaks[kb] > peaks[ka]:
+                    slope = (peaks[kb] - peaks[ka]) / (kb - ka)
+                    pred = int(kb + (limit - peaks[kb]) / slope)
+                    k = max(pred, kb + 1)
+                    if k > 8 * kb:  # too far to trust: grow geometrically
+                        k, confident = 8 * kb, False
+                else:
+                    k, confident = 4 * lo, False
+                if k > max_units:
+                    if lo >= max_units or fits(max_units):
+                        return max_units
+                    hi = max_units
+                    continue
+            else:
+                width = hi - lo
+                if lo in peaks and hi in peaks and peaks[hi] > peaks[lo] and (
+                    last_width is None or width <= last_width // 2 or width <= 4
+                ):
+                    k = lo + int((limit - peaks[lo]) * (hi - lo) / (peaks[hi] - peaks[lo]))
+                    k = min(max(k, lo + 1), hi - 1)
+                else:
+                    k, confident = (lo + hi) // 2, False
+                last_width = width
+            ok = fits(k)
+            # Peak per unit of length near k, from the nearest other planned point.
+            others = [j for j in peaks if j != k]
+            near = min(others, key=lambda j: abs(j - k)) if others else None
+            per_unit = abs(peaks[k] - peaks[near]) / abs(k - near) if near is not None else 0.0
+            # Within a unit and a half of the limit: the neighbour is likely the boundary.
+            close = confident and per_unit > 0 and abs(limit - peaks[k]) < 1.5 * per_unit
+            if ok:
                 lo = k
+                if close and (hi is None or k + 1 < hi) and k + 1 <= max_units and not fits(k + 1):
+                    hi = k + 1
             else:
                 hi = k
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(get(mid, how)):
-                lo = mid
-            else:
-                hi = mid
+                if close and k - 1 > lo and fits(k - 1):
+                    lo = k - 1
         return lo
 
-    k = search(0, None, search_layers)
-    confirmed = layers == "full"
-    if layers == "auto":
-        # Confirm with full traces: k must fit and k + 1 must not.
-        if k >= 1 and not fits(get(k, "full")):
-            k = search(0, k, "full") if k == 1 or fits(get(1, "full")) else 0
-        while k + 1 <= max_units and fits(get(k + 1, "full")):
+    k = search(layers)
+    confirmed = all(not get(j, layers).trace["extrapolated"] for j in (k, k + 1) if j >= 1)
+    how = layers
+    if confirm and not confirmed:
+        # Extrapolation is exact to a fraction of a percent: walk, don't search.
+        how = "full"
+        while k >= 1 and get(k, "full").peak_bytes > limit:
+            k -= 1
+        while k + 1 <= max_units and get(k + 1, "full").peak_bytes <= limit:
             k += 1
         confirmed = True
-    how = "full" if confirmed else search_layers
     best = get(k, how) if k >= 1 else None
-    next_up = get(k + 1, how) if k + 1 <= max_units else None
+    next_up = get(k + 1, how)
     return SeqLenSearch(
         max_seq_len=k * unit,
         unit=unit,
@@ -886,6 +1006,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-rank peak memory of one training step, traced on fake tensors.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument("--config", help="trainer TOML config")
     p.add_argument("--world-size", type=int, default=None,
@@ -895,8 +1016,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="sequences per dp rank in the step (default: from the config; 1 with --max-seq-len)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="plan for GPUs (default) or CPU")
     p.add_argument("--layers", choices=("full", "extrapolate", "auto"), default=None,
-                   help="full trace, or 2+4-layer traces extrapolated (default: full; auto with --max-seq-len: "
-                        "extrapolated search confirmed by full traces)")
+                   help="full trace, or 4/5/6-layer traces extrapolated linearly in the layer count; "
+                        "auto (default): whichever traces fewer ops")
     p.add_argument("--foreach", choices=("true", "false"), default=None, help="AdamW foreach (default: torch's choice)")
     p.add_argument("--max-seq-len", action="store_true", help="search the longest sequence that fits the budget")
     p.add_argument("--budget-gib", type=float, default=80.0, help="device memory in GiB (default 80)")
@@ -931,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"PLANNED longest sequence that fits {ns.budget_gib:g} GiB - {ns.headroom_gib:g} GiB "
                 f"headroom = {limit:g} GiB of allocated tensors per rank: {res.max_seq_len:,} tokens "
                 f"(search step {res.unit:,} tokens; "
-                f"{'confirmed by full traces' if res.confirmed else 'extrapolated from 2- and 4-layer traces'}; "
+                f"{'boundary planned with full traces' if res.confirmed else 'boundary planned on extrapolated traces'}; "
                 f"{res.seconds:.0f} s)"
             )
             if res.best is not None:
@@ -941,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         plan = plan_memory(
             cfg, ns.world_size, ns.seq_len, rows=ns.rows, device=ns.device,
-            layers=ns.layers if ns.layers in ("full", "extrapolate") else "full", foreach=foreach,
+            layers=ns.layers or "auto", foreach=foreach,
         )
         print(json.dumps(plan.to_dict()) if ns.json else plan.format())
         return 0

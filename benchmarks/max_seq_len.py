@@ -1,0 +1,349 @@
+"""PLANNED longest trainable sequence per GPU count and memory feature (no GPU needed).
+
+Every figure comes from :mod:`ulysses_dtensor.estimate`: one training step of
+this trainer (build_model, AdamW, train_step) traced on rank 0 of a fake
+world with fake tensors; the peak is allocated-tensor bytes, i.e. what
+``torch.cuda.max_memory_allocated`` would report on the GPU, plus the
+FlashAttention-2 backward workspace the trace cannot see (added from the
+traced attention shapes). A length "fits" when that peak is at most
+``--budget-gib - --headroom-gib`` (default 80 - 6 = 74 GiB): the headroom
+stands for what is not a tensor -- the H100's 80 GB are 79.2 GiB to torch,
+then the CUDA context, NCCL buffers and caching-allocator fragmentation.
+
+    python benchmarks/max_seq_len.py                      # the full table (~30-60 min on 2 cores)
+    python benchmarks/max_seq_len.py --models llama3_8b --gpus 8 --features baseline all
+    python benchmarks/max_seq_len.py --quick              # smoke run: debug model, seconds
+
+One JSON object per (model, GPUs, features) on stdout; a markdown table on
+stderr at the end (and in --table FILE); a PNG of planned peak vs sequence
+length (--plot FILE, needs matplotlib; without it a message says so).
+
+Layout: sp = the largest divisor of the GPU count that the heads allow
+(heads % sp == 0, and kv heads split or replicated: kv % sp == 0 or
+sp % kv == 0), the rest dp_shard; one sequence per data-parallel rank; bf16
+compute with fp32 FSDP2 master weights, fp32 gradient reduction and fp32
+AdamW states (the trainer's long-context configs); full activation
+checkpointing in every row (the baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from ulysses_dtensor.estimate import GIB, find_max_seq_len, plan_memory  # noqa: E402
+from ulysses_dtensor.models.llama import FLAVORS  # noqa: E402
+from ulysses_dtensor.trainer.config import load_config  # noqa: E402
+
+FEATURES = {
+    "baseline": {},
+    "tiled_loss": {"tiled_loss": True},
+    "tiled_mlp": {"tiled_mlp": True},
+    "offload": {"offload_activations": True},
+    "all": {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True},
+}
+# ALST (arXiv 2506.13996), Llama-3-8B on H100 80GB, max trainable sequence length.
+ALST = {"llama3_8b": {1: 500_000, 8: 3_700_000, 32: 15_000_000}}
+VOCAB = 128256
+
+
+def layout(flavor: str, gpus: int) -> tuple[int, int]:
+    """(sp, dp_shard): the largest sp the heads allow on ``gpus`` GPUs."""
+    a = FLAVORS[flavor]
+    best = 1
+    for sp in range(1, gpus + 1):
+        if gpus % sp or a.n_heads % sp:
+            continue
+        if a.n_kv_heads % sp == 0 or sp % a.n_kv_heads == 0:
+            best = sp
+    return best, gpus // best
+
+
+def make_config(flavor: str, gpus: int, features: str, quick: bool = False):
+    sp, dp_shard = layout(flavor, gpus)
+    argv = [
+        "--model.flavor", flavor,
+        "--model.attn_backend", "sdpa",
+        "--training.mixed_precision_param", "bfloat16",
+        "--training.mixed_precision_reduce", "float32",
+        "--training.global_batch_size", str(dp_shard),
+        "--activation_checkpoint.mode", "full",
+        "--parallelism.sp", str(sp),
+        "--parallelism.dp_shard", str(dp_shard),
+    ]
+    if quick:
+        # A dim-64 model would get hundreds of automatic tiles: keep the smoke run quick.
+        argv += ["--memory.mlp_tiles", "4", "--memory.loss_chunks", "4"]
+    else:
+        argv += ["--model.vocab_size", str(VOCAB)]
+    for key, value in FEATURES[features].items():
+        argv += [f"--memory.{key}", "true" if value is True else str(value)]
+    return load_config(argv), sp, dp_shard
+
+
+def fmt_tokens(n: int) -> str:
+    if n <= 0:
+        return "0"
+    if n >= 1_000_000:
+        return f"{n / 1_000_000:.2f}M"
+    return f"{n / 1000:.0f}K"
+
+
+def stamp() -> dict:
+    return {
+        "planned_for": "GPU, 80 GB class (H100); traced on CPU with fake tensors",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def run_one(flavor, gpus, features, ns, log) -> dict:
+    cfg, sp, dp_shard = make_config(flavor, gpus, features, ns.quick)
+    log(f"{flavor} on {gpus} GPU(s) (sp {sp} x dp_shard {dp_shard}), {features}:")
+    res = find_max_seq_len(
+        cfg, gpus, budget_gib=ns.budget_gib, headroom_gib=ns.headroom_gib,
+        granularity=ns.granularity, rows=1, device="cuda", layers=ns.layers,
+        confirm=not (ns.no_confirm is not None and (not ns.no_confirm or features in ns.no_confirm)),
+        log=log,
+    )
+    best, nxt = res.best, res.next_up
+    rec = {
+        "bench": "max_seq_len",
+        **stamp(),
+        "model": flavor,
+        "gpus": gpus,
+        "sp": sp,
+        "dp_shard": dp_shard,
+        "features": features,
+        "budget_gib": ns.budget_gib,
+        "headroom_gib": ns.headroom_gib,
+        "planned_max_seq_len": res.max_seq_len,
+        "search_unit": res.unit,
+        "boundary_full_trace": res.confirmed,
+        "seconds": round(res.seconds, 1),
+        "alst": ALST.get(flavor, {}).get(gpus),
+        "tried": res.plans,
+    }
+    for name, plan in (("best", best), ("next_up", nxt)):
+        if plan is not None:
+            rec[name] = {
+                "seq_len": plan.seq_len,
+                "peak_gib": round(plan.peak_gib, 3),
+                "phase": plan.peak_phase,
+                "host_gib": round(plan.host_bytes / GIB, 2),
+                "extrapolated": plan.trace["extrapolated"],
+                "breakdown_gib": {k: round(v / GIB, 3) for k, v in plan.breakdown.items()},
+                "kinds_gib": {k: round(v / GIB, 3) for k, v in plan.kinds.items()},
+            }
+    log(f"  -> {fmt_tokens(res.max_seq_len)} tokens ({res.seconds:.0f} s)")
+    return rec
+
+
+def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
+    """Extrapolated (4/5/6-layer traces) vs full trace at one length."""
+    cfg, sp, dp_shard = make_config(flavor, gpus, features, ns.quick)
+    unit = ns.granularity * sp
+    seq_len = max(unit, seq_len // unit * unit)
+    full = plan_memory(cfg, gpus, seq_len, rows=1, layers="full")
+    ext = plan_memory(cfg, gpus, seq_len, rows=1, layers="extrapolate")
+    rec = {
+        "bench": "max_seq_len_verify_extrapolation",
+        **stamp(),
+        "model": flavor, "gpus": gpus, "features": features, "seq_len": seq_len,
+        "full_gib": round(full.peak_gib, 4), "extrapolated_gib": round(ext.peak_gib, 4),
+        "rel_error": (ext.peak_bytes - full.peak_bytes) / full.peak_bytes,
+        "full_seconds": round(full.trace["seconds"], 1), "extrapolated_seconds": round(ext.trace["seconds"], 1),
+        "extrapolated_from": ext.trace["layers_traced"],
+    }
+    log(f"verify {flavor} {gpus} GPUs {features} at {fmt_tokens(seq_len)}: full {full.peak_gib:.3f} GiB, "
+        f"extrapolated {ext.peak_gib:.3f} GiB ({rec['rel_error']:+.2e})")
+    return rec
+
+
+def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
+    """Planned peak at fixed lengths (for the memory-vs-length plot)."""
+    out = []
+    cfg, sp, dp_shard = make_config(flavor, gpus, features, ns.quick)
+    for seq_len in lengths:
+        unit = ns.granularity * sp
+        seq_len = max(unit, seq_len // unit * unit)
+        plan = plan_memory(cfg, gpus, seq_len, rows=1, layers=ns.layers)
+        rec = {
+            "bench": "max_seq_len_sweep", **stamp(), "model": flavor, "gpus": gpus, "sp": sp,
+            "dp_shard": dp_shard, "features": features, "seq_len": seq_len,
+            "peak_gib": round(plan.peak_gib, 3), "phase": plan.peak_phase,
+            "host_gib": round(plan.host_bytes / GIB, 2), "extrapolated": plan.trace["extrapolated"],
+            "seconds": round(plan.trace["seconds"], 1),
+        }
+        log(f"sweep {flavor} {gpus} GPUs {features} {fmt_tokens(seq_len)}: {plan.peak_gib:.2f} GiB")
+        out.append(rec)
+    return out
+
+
+def table(records: list[dict], ns) -> str:
+    rows = [r for r in records if r["bench"] == "max_seq_len"]
+    models = sorted({r["model"] for r in rows}, key=lambda m: list(FLAVORS).index(m))
+    feats = [f for f in FEATURES if any(r["features"] == f for r in rows)]
+    out = [
+        f"PLANNED max trainable sequence (tokens; one sequence per dp rank; peak allocated-tensor "
+        f"bytes <= {ns.budget_gib:g} - {ns.headroom_gib:g} = {ns.budget_gib - ns.headroom_gib:g} GiB per GPU)",
+        "",
+        "| model | GPUs | sp x dp_shard | " + " | ".join(feats) + " | ALST (published) |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in feats) + " | --- |",
+    ]
+    for m in models:
+        for g in sorted({r["gpus"] for r in rows if r["model"] == m}):
+            cell = {r["features"]: r for r in rows if r["model"] == m and r["gpus"] == g}
+            any_r = next(iter(cell.values()))
+            alst = ALST.get(m, {}).get(g)
+            out.append(
+                f"| {m} | {g} | {any_r['sp']} x {any_r['dp_shard']} | "
+                + " | ".join(fmt_tokens(cell[f]["planned_max_seq_len"]) if f in cell else "-" for f in feats)
+                + f" | {fmt_tokens(alst) if alst else '-'} |"
+            )
+    return "\n".join(out)
+
+
+def plot(records: list[dict], path: str, ns, log) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log(f"no plot: matplotlib is not installed (pip install matplotlib); {path} not written")
+        return
+    swept = [r for r in records if r["bench"] == "max_seq_len_sweep"]
+    searched = [r for r in records if r["bench"] == "max_seq_len"]
+    # One panel per (model, GPUs): the sweep's points if any, else the search's.
+    order = list(FLAVORS)
+    groups = sorted({(r["model"], r["gpus"]) for r in swept}) or sorted(
+        {(r["model"], r["gpus"]) for r in searched if r["planned_max_seq_len"] > 0}
+    )
+    groups.sort(key=lambda mg: (order.index(mg[0]) if mg[0] in order else 99, mg[1]))
+    if not groups:
+        log("no plot: nothing fits")
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    limit = ns.budget_gib - ns.headroom_gib
+    for ax, (m, g) in zip(axes[0], groups):
+        curves: dict[str, list] = {}
+        if swept:
+            for r in swept:
+                if (r["model"], r["gpus"]) == (m, g):
+                    curves.setdefault(r["features"], []).append((r["seq_len"], r["peak_gib"]))
+        else:
+            for r in searched:
+                if (r["model"], r["gpus"]) == (m, g):
+                    curves[r["features"]] = [(s_, b / GIB) for s_, b, _ in r["tried"]]
+        for feats, pts in curves.items():
+            pts.sort()
+            best = next((r["planned_max_seq_len"] for r in searched
+                         if (r["model"], r["gpus"], r["features"]) == (m, g, feats)), None)
+            label = feats + (f" (max {fmt_tokens(best)})" if best else "")
+            ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
+        ax.axhline(limit, color="k", ls="--", lw=1, label=f"{ns.budget_gib:g} GiB - {ns.headroom_gib:g} GiB headroom")
+        alst = ALST.get(m, {}).get(g)
+        if alst:
+            ax.axvline(alst / 1e6, color="gray", ls=":", lw=1, label=f"ALST published ({fmt_tokens(alst)})")
+        sp = next((r["sp"] for r in swept + searched if (r["model"], r["gpus"]) == (m, g)), "?")
+        ax.set_xlabel("sequence length (M tokens)")
+        ax.set_ylabel("PLANNED peak per GPU (GiB, allocated tensors)")
+        ax.set_ylim(0, 2.2 * limit)
+        ax.set_title(f"{m}, {g} GPUs (sp {sp}), PLANNED")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"plot written: {path}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["llama3_8b", "llama3_70b"])
+    p.add_argument("--gpus", nargs="+", type=int, default=[1, 8, 32, 64])
+    p.add_argument("--features", nargs="+", default=list(FEATURES), choices=list(FEATURES))
+    p.add_argument("--budget-gib", type=float, default=80.0)
+    p.add_argument("--headroom-gib", type=float, default=6.0)
+    p.add_argument("--granularity", type=int, default=1024, help="search step in tokens per sp rank")
+    p.add_argument("--layers", choices=("auto", "full", "extrapolate"), default="auto")
+    p.add_argument("--no-confirm", nargs="*", metavar="FEATURES", default=None,
+                   help="keep extrapolated plans at the boundary (no full-trace re-plan), for these "
+                        "feature sets (none given: all)")
+    p.add_argument("--verify", action="store_true",
+                   help="also compare extrapolated and full traces at a quarter of each model's longest fit")
+    p.add_argument("--table", help="also write the markdown table here")
+    p.add_argument("--plot", help="write a PNG of planned peak vs sequence length")
+    p.add_argument("--quick", action="store_true", help="smoke run: debug model, 1-2 GPUs, tiny budget")
+    p.add_argument("--from-jsonl", nargs="+", metavar="FILE",
+                   help="no planning: rebuild the table (and --plot) from saved JSON lines")
+    p.add_argument("--sweep", nargs=2, metavar=("MODEL", "GPUS"),
+                   help="only plan fixed lengths (--lengths) for every feature set, for the plot")
+    p.add_argument("--lengths", nargs="+", type=int,
+                   default=[131072, 262144, 524288, 1048576, 2097152, 4194304])
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.models, ns.gpus, ns.features = ["debug"], [1, 2], ["baseline", "all"]
+        ns.budget_gib, ns.headroom_gib, ns.granularity = 0.02, 0.0, 64
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    records = []
+    t0 = time.perf_counter()
+    if ns.from_jsonl:
+        for path in ns.from_jsonl:
+            records += [json.loads(line) for line in Path(path).read_text().splitlines() if line.startswith("{")]
+        text = table(records, ns)
+        print(text)
+        if ns.table:
+            Path(ns.table).write_text(text + "\n")
+        if ns.plot:
+            plot(records, ns.plot, ns, log)
+        return 0
+    if ns.sweep:
+        flavor, gpus = ns.sweep[0], int(ns.sweep[1])
+        for feats in ns.features:
+            for rec in sweep(flavor, gpus, feats, ns.lengths, ns, log):
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
+        if ns.plot:
+            plot(records, ns.plot, ns, log)
+        log(f"total {time.perf_counter() - t0:.0f} s")
+        return 0
+    for flavor in ns.models:
+        for gpus in ns.gpus:
+            for feats in ns.features:
+                rec = run_one(flavor, gpus, feats, ns, log)
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
+        if ns.verify:
+            fits = [r for r in records if r["model"] == flavor and r["planned_max_seq_len"] > 0]
+            if fits:
+                r = max(fits, key=lambda r: (r["gpus"], r["features"] == "all"))
+                rec = verify(flavor, r["gpus"], r["features"], r["planned_max_seq_len"] // 4, ns, log)
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
+    text = table(records, ns)
+    log("\n" + text + f"\n\ntotal {time.perf_counter() - t0:.0f} s")
+    if ns.table:
+        Path(ns.table).write_text(text + "\n")
+    if ns.plot:
+        plot(records, ns.plot, ns, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
