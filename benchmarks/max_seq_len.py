@@ -230,18 +230,23 @@ def plot(records: list[dict], path: str, ns, log) -> None:
     searched = [r for r in records if r["bench"] == "max_seq_len"]
     # One panel per (model, GPUs): the sweep's points if any, else the search's.
     order = list(FLAVORS)
-    groups = sorted({(r["model"], r["gpus"]) for r in swept}) or sorted(
-        {(r["model"], r["gpus"]) for r in searched if r["planned_max_seq_len"] > 0}
-    )
+    # One panel per (model, GPUs): the sweep's points where there is a sweep, else the search's.
+    groups = sorted({(r["model"], r["gpus"]) for r in swept}
+                    | {(r["model"], r["gpus"]) for r in searched if r["planned_max_seq_len"] > 0})
     groups.sort(key=lambda mg: (order.index(mg[0]) if mg[0] in order else 99, mg[1]))
     if not groups:
         log("no plot: nothing fits")
         return
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    ncols = min(3, len(groups))
+    nrows = -(-len(groups) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.5 * nrows), squeeze=False)
     limit = ns.budget_gib - ns.headroom_gib
-    for ax, (m, g) in zip(axes[0], groups):
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, (m, g) in zip(axes.flat, groups):
         curves: dict[str, list] = {}
-        if swept:
+        from_sweep = any((r["model"], r["gpus"]) == (m, g) for r in swept)
+        if from_sweep:
             for r in swept:
                 if (r["model"], r["gpus"]) == (m, g):
                     curves.setdefault(r["features"], []).append((r["seq_len"], r["peak_gib"]))
@@ -263,7 +268,7 @@ def plot(records: list[dict], path: str, ns, log) -> None:
         ax.set_xlabel("sequence length (M tokens)")
         ax.set_ylabel("PLANNED peak per GPU (GiB, allocated tensors)")
         ax.set_ylim(0, 2.2 * limit)
-        ax.set_title(f"{m}, {g} GPUs (sp {sp}), PLANNED")
+        ax.set_title(f"{m}, {g} GPUs (sp {sp}), PLANNED" + ("" if from_sweep else ": search points"))
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
