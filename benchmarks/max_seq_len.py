@@ -141,6 +141,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
         if plan is not None:
             rec[name] = {
                 "seq_len": plan.seq_len,
+                "peak_bytes": plan.peak_bytes,
                 "peak_gib": round(plan.peak_gib, 3),
                 "phase": plan.peak_phase,
                 "host_gib": round(plan.host_bytes / GIB, 2),

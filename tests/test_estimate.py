@@ -445,3 +445,19 @@ def test_search_api_agrees_with_plans():
     assert res.best is not None and res.next_up is not None and res.confirmed
     assert res.best.peak_bytes <= 0.05 * GIB < res.next_up.peak_bytes
     assert res.next_up.seq_len == res.max_seq_len + res.unit
+
+
+def test_max_seq_len_benchmark_smoke_run():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "benchmarks/max_seq_len.py", "--quick"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(recs) == 4 and all(x["bench"] == "max_seq_len" for x in recs)
+    for x in recs:
+        assert x["planned_max_seq_len"] > 0
+        limit = (x["budget_gib"] - x["headroom_gib"]) * GIB
+        assert x["best"]["peak_bytes"] <= limit < x["next_up"]["peak_bytes"]
+    assert "PLANNED max trainable sequence" in r.stderr
