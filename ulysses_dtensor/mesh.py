@@ -57,7 +57,7 @@ class ParallelDims:
                     f"world_size={self.world_size} is not divisible by "
                     f"dp_replicate*sp={self.dp_replicate}*{self.sp}={rest}, so dp_shard=-1 "
                     f"cannot be resolved; use dp_replicate*sp among the divisors of "
-                    f"{self.world_size}: {_divisors(self.world_size)}"
+                    f"{self.world_size}: {divisors(self.world_size)}"
                 )
             self.dp_shard = self.world_size // rest
         product = self.dp_replicate * self.dp_shard * self.sp
@@ -132,5 +132,6 @@ class ParallelMesh:
         return self.sp.get_local_rank()
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The valid degrees for a dimension of size n (error messages list them)."""
     return [d for d in range(1, n + 1) if n % d == 0]

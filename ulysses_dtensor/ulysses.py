@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .mesh import divisors
+
 SEQ_DIM = 1
 HEAD_DIM = 2
 
@@ -121,7 +123,7 @@ def kv_replication(heads: int, kv_heads: int, sp: int) -> int:
     if heads % sp:
         raise ValueError(
             f"Ulysses needs heads % sp == 0, got heads={heads}, kv_heads={kv_heads}, "
-            f"sp={sp}; valid sp for {heads} heads: {_divisors(heads)}"
+            f"sp={sp}; valid sp for {heads} heads: {divisors(heads)}"
         )
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(
@@ -134,12 +136,8 @@ def kv_replication(heads: int, kv_heads: int, sp: int) -> int:
     raise ValueError(
         f"Ulysses cannot place kv_heads={kv_heads} on sp={sp} ranks (heads={heads}): "
         f"need kv_heads % sp == 0 (split) or sp % kv_heads == 0 (replicate); valid sp: "
-        f"{[d for d in _divisors(heads) if kv_heads % d == 0 or d % kv_heads == 0]}"
+        f"{[d for d in divisors(heads) if kv_heads % d == 0 or d % kv_heads == 0]}"
     )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # ---------------------------------------------------------------------------
