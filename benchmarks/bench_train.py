@@ -168,7 +168,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiled-loss", action="store_true")
     p.add_argument("--loss-chunks", type=int)
     p.add_argument("--offload-activations", action="store_true", help="needs --ac full")
-    p.add_argument("--attn-backend", help="LlamaArgs.attn_backend (default: the flavor's, sdpa)")
+    p.add_argument("--attn-backend", help="LlamaArgs.attn_backend (default: auto = sdpa on CPU, "
+                   "flash_attn or varlen on CUDA in 16-bit)")
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--warmup", type=int,
                    help="untimed steps (the first one also counts collectives, eager); default 2")

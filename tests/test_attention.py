@@ -269,13 +269,36 @@ def test_flash_attn_missing_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     with pytest.raises(ImportError, match=r"pip install 'ulysses-dtensor\[flash\]'"):
         A._import_flash_attn()
-    assert default_backend("cuda") == "sdpa"
-    assert default_backend(torch.device("cuda", 0)) == "sdpa"
+    # Without flash-attn, CUDA in 16-bit falls to torch's varlen (this torch has it) ...
+    assert default_backend("cuda") == "varlen"
+    assert default_backend(torch.device("cuda", 0), torch.bfloat16) == "varlen"
+    # ... and to sdpa when neither FlashAttention entry point exists.
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)
+    assert default_backend("cuda", torch.float16) == "sdpa"
 
 
-def test_default_backend_cpu():
+def test_default_backend_cpu_and_fp32():
     assert default_backend("cpu") == "sdpa"
-    assert default_backend(torch.device("cpu")) == "sdpa"
+    assert default_backend(torch.device("cpu"), torch.bfloat16) == "sdpa"
+    # The FlashAttention kernels are 16-bit only: fp32 on CUDA stays on sdpa.
+    assert default_backend("cuda", torch.float32) == "sdpa"
+
+
+def test_auto_backend_runs_sdpa_on_cpu():
+    # 'auto' is the default everywhere and resolves per call: on CPU it is
+    # exactly sdpa, forward and backward, with and without documents.
+    assert LocalAttention().backend == "auto"
+    docs = docs_from_lengths([[5, 11], [16]])
+    for document_ids in (None, docs):
+        q, k, v = make_qkv(2, 16, 4, 2, 8, seed=3)
+        ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = LocalAttention()(q, k, v, document_ids=document_ids)
+        ref = local_attention(*ref_in, backend="sdpa", document_ids=document_ids)
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        out.sum().backward()
+        ref.sum().backward()
+        for got, want in zip((q, k, v), ref_in):
+            torch.testing.assert_close(got.grad, want.grad, atol=0, rtol=0)
 
 
 def test_module_import_does_not_import_flash_attn():
@@ -309,7 +332,7 @@ def test_check_backend_suggests_nearest():
     with pytest.raises(ValueError) as e:
         check_backend("sdpaa")
     msg = str(e.value)
-    assert "'sdpaa'" in msg and "sdpa, flex, varlen, flash_attn" in msg and "did you mean 'sdpa'?" in msg
+    assert "'sdpaa'" in msg and "auto, sdpa, flex, varlen, flash_attn" in msg and "did you mean 'sdpa'?" in msg
     with pytest.raises(ValueError, match="did you mean 'flash_attn'"):
         LocalAttention("flash-attn")
     with pytest.raises(ValueError, match="unknown attention backend 'xyz'"):
@@ -475,5 +498,6 @@ def test_gpu_default_backend():
     try:
         import flash_attn  # noqa: F401
     except ImportError:
-        expect = "sdpa"
-    assert default_backend("cuda") == expect
+        expect = "varlen" if A._has_varlen() else "sdpa"
+    assert default_backend("cuda", torch.bfloat16) == expect
+    assert default_backend("cuda", torch.float32) == "sdpa"

@@ -101,7 +101,7 @@ def test_wrong_types():
     one_error(parse_config, {"lr_scheduler": {"decay": "cosin"}},
               match=r"lr_scheduler.decay='cosin'.*did you mean 'cosine'.*valid: linear, cosine, none")
     one_error(parse_config, {"model": {"attn_backend": "flash"}},
-              match=r"model.attn_backend='flash'.*valid: sdpa, flex, varlen, flash_attn")
+              match=r"model.attn_backend='flash'.*valid: auto, sdpa, flex, varlen, flash_attn")
     one_error(parse_config, {"training": {"mixed_precision_param": "fp16"}},
               match="valid: float32, bfloat16")
     one_error(parse_config, {"training": {"steps": 0}}, match=r"training.steps=0 must be >= 1")

@@ -116,6 +116,54 @@ def test_exchange_is_minimal_all_to_all(sp):
     run_ranks(sp, _comm_worker)
 
 
+def _every_backend_worker(rank: int, world: int) -> None:
+    # The CUDA-only kernels are replaced by the reference-backed fakes of
+    # test_attention (this process is thrown away afterwards).
+    import sys
+
+    import test_attention as T
+    import torch.nn.attention.varlen as varlen_mod
+
+    from ulysses_dtensor import attention as A
+
+    A._require_cuda = lambda backend, q: None
+    A._require_half = lambda backend, q: None
+    varlen_mod.varlen_attn = T.fake_varlen_attn
+    sys.modules["flash_attn"] = T._fake_flash_module()
+
+    mesh = ParallelDims(sp=world).build_mesh("cpu").sp
+    seq, heads, kv = 16 * world, 8, 2
+    docs = _documents(seq)
+    sl = slice(rank * seq // world, (rank + 1) * seq // world)
+    torch.manual_seed(0)
+    full = [torch.randn(B, seq, h, D) for h in (heads, kv, kv)]
+    want = exchange_bytes_per_rank(B, seq, heads, kv, D, world, 4)
+    reference = None
+    for backend in ("sdpa", "auto", "flex", "varlen", "flash_attn"):
+        # FlexAttention has no CPU backward: its exchange is checked forward only.
+        backward = backend != "flex"
+        for pack in (False, True):
+            local = [t[:, sl].clone().requires_grad_(backward) for t in full]
+            attn = parallelize_module(LocalAttention(backend), mesh, UlyssesAttention(pack_qkv=pack))
+            with CollectiveCounter() as counter, torch.set_grad_enabled(backward):
+                out = attn(*local, document_ids=docs)
+                if backward:
+                    out.sum().backward()
+            per_pass = 2 if pack else 4
+            msg = f"backend={backend} pack={pack}"
+            assert counter.counts() == {"all_to_all_single": per_pass * (2 if backward else 1)}, (msg, counter.counts())
+            assert counter.sent_bytes() == (want if backward else want // 2), (msg, counter.sent_bytes(), want)
+            if reference is None:
+                reference = out.detach()
+            torch.testing.assert_close(out.detach(), reference, atol=1e-5, rtol=1e-5, msg=msg)
+
+
+def test_exchange_volume_is_the_same_on_every_backend():
+    # Packed documents, GQA: sdpa (dense mask), auto, flex (block mask, forward
+    # only on CPU), varlen and flash_attn (cu_seqlens; CPU fakes of the kernels).
+    run_ranks(2, _every_backend_worker)
+
+
 def test_exchange_bytes_formula():
     # sp=4, MHA: 4 tensors of B*S/4*H*D floats, 3/4 leaves the rank, x2 for backward.
     assert exchange_bytes_per_rank(1, 1024, 8, 8, 64, 4, 2) == 2 * 4 * (256 * 8 * 64 * 2) * 3 // 4
@@ -248,6 +296,12 @@ def _compile_worker(rank: int, world: int) -> None:
     # all-to-alls each way, no all-gather.
     assert len(graphs) == 2
     assert _graph_collectives(graphs) == {"all_to_all_single": 4}, _graph_collectives(graphs)
+    # The counter the benchmarks use sees the compiled code's collectives too.
+    with CollectiveCounter() as counter:
+        compiled(x).sum().backward()
+    assert len(graphs) == 2, "the counter made dynamo recompile"
+    assert counter.counts() == {"all_to_all_single": 4}, counter.counts()
+    assert counter.sent_bytes() == exchange_bytes_per_rank(2, 16, 8, 2, 4, world, 4)
 
 
 def test_compile_fullgraph_matches_eager():

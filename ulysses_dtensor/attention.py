@@ -13,6 +13,9 @@ same segmentation even if an id value happens to repeat later in the row.
 
 Backends:
 
+* ``auto``       the default: resolved per call from the tensors' device and dtype
+                 by :func:`default_backend` (``sdpa`` on CPU; on CUDA in 16-bit
+                 ``flash_attn`` if installed, else ``varlen``, else ``sdpa``).
 * ``sdpa``       torch SDPA; CPU and CUDA, forward and backward. Documents use a
                  dense (B, 1, S, S) boolean mask.
 * ``flex``       FlexAttention with a block mask; compiled on CUDA. On CPU torch
@@ -45,7 +48,7 @@ __all__ = [
     "LocalAttention",
 ]
 
-BACKENDS = ("sdpa", "flex", "varlen", "flash_attn")
+BACKENDS = ("auto", "sdpa", "flex", "varlen", "flash_attn")
 
 _FLASH_EXTRA_MSG = (
     "attention backend 'flash_attn' needs the flash-attn package: "
@@ -77,14 +80,41 @@ def _import_flash_attn():
         raise ImportError(_FLASH_EXTRA_MSG) from e
 
 
-def default_backend(device: torch.device | str) -> str:
-    """'sdpa' on CPU; on CUDA 'flash_attn' when the package imports, else 'sdpa'."""
+@torch.compiler.assume_constant_result
+def _resolved_default(device: torch.device, dtype: torch.dtype) -> str:
+    # A constant to torch.compile: it runs the (untraceable) import probes once
+    # at trace time instead of tracing them. Eager calls hit sys.modules only.
+    return default_backend(device, dtype)
+
+
+def _has_varlen() -> bool:
+    try:
+        importlib.import_module("torch.nn.attention.varlen")
+    except ImportError:
+        return False
+    return True
+
+
+def default_backend(device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """The backend ``"auto"`` runs for tensors on ``device`` with ``dtype``.
+
+    * CPU (and any non-CUDA device): ``sdpa``, the only one with a CPU backward.
+    * CUDA, 16-bit (or ``dtype=None``): ``flash_attn`` when the package imports,
+      else torch's ``varlen``, else ``sdpa``. The first two run FlashAttention
+      kernels and take packed documents as ``cu_seqlens``, skipping masked
+      blocks; SDPA needs a dense (B, 1, S, S) mask for documents, O(S^2) memory,
+      which at long context costs more than the attention itself. Without
+      documents all three run FlashAttention-2-class kernels.
+    * CUDA, float32: ``sdpa`` (the FlashAttention kernels are 16-bit only).
+    """
     if torch.device(device).type != "cuda":
+        return "sdpa"
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         return "sdpa"
     try:
         _import_flash_attn()
     except ImportError:
-        return "sdpa"
+        return "varlen" if _has_varlen() else "sdpa"
     return "flash_attn"
 
 
@@ -447,7 +477,7 @@ def local_attention(
     k: Tensor,
     v: Tensor,
     *,
-    backend: str = "sdpa",
+    backend: str = "auto",
     causal: bool = True,
     document_ids: Tensor | None = None,
     scale: float | None = None,
@@ -461,6 +491,8 @@ def local_attention(
     """
     check_backend(backend)
     _check_shapes(q, k, v, document_ids)
+    if backend == "auto":
+        backend = _resolved_default(q.device, q.dtype)
     seg = None
     if document_ids is not None:
         if document_ids.device != q.device:
@@ -481,7 +513,7 @@ def local_attention(
 class LocalAttention(torch.nn.Module):
     """Module wrapper around :func:`local_attention` (no parameters)."""
 
-    def __init__(self, backend: str = "sdpa", causal: bool = True, scale: float | None = None):
+    def __init__(self, backend: str = "auto", causal: bool = True, scale: float | None = None):
         super().__init__()
         self.backend = check_backend(backend)
         self.causal = causal

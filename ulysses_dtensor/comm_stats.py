@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from torch._ops import HigherOrderOperator
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -35,11 +36,25 @@ class CollectiveRecord:
 class CollectiveCounter(TorchDispatchMode):
     records: list[CollectiveRecord] = field(default_factory=list)
 
+    # Let higher-order ops (FlexAttention's kernel) through: without this a
+    # dispatch mode makes them raise. They are passed on untouched.
+    supports_higher_order_operators = True
+
     def __post_init__(self):
         super().__init__()
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Let torch.compile compile under the counter (FlexAttention compiles
+        # itself even in eager; compiled blocks): dynamo otherwise refuses to
+        # trace while a user dispatch mode is active. Compiled code still calls
+        # the collectives through the dispatcher, where they are counted.
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **kwargs)
         if func.namespace == "_c10d_functional":
             name = func._overloadpacket.__name__
             if name not in _NOT_TRAFFIC:

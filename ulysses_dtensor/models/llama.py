@@ -60,7 +60,7 @@ class LlamaArgs:
     # Llama-3.1 long-context frequency scaling (off: plain rope with rope_theta).
     rope_scaling: bool = True
     tie_embeddings: bool = False
-    attn_backend: str = "sdpa"
+    attn_backend: str = "auto"
     # Parameters of the Llama-3.1 scaling. Llama 3.1 uses factor 8; the tied
     # Llama 3.2 1B/3B checkpoints use factor 32.
     rope_scaling_factor: float = 8.0

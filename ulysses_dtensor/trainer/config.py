@@ -81,7 +81,9 @@ class Job:
 @dataclass
 class Model:
     flavor: str = _f("debug", "model size, a key of ulysses_dtensor.models.llama.FLAVORS")
-    attn_backend: str = _f("sdpa", "local attention backend after the all-to-all", BACKENDS)
+    attn_backend: str = _f(
+        "auto", "local attention after the all-to-all (auto: sdpa on CPU, flash_attn/varlen on CUDA bf16)", BACKENDS
+    )
     vocab_size: int = _f(0, "0: the tokenizer's vocabulary rounded up to vocab_multiple_of")
     vocab_multiple_of: int = _f(64, "round the tokenizer vocabulary up to a multiple of this")
     dim: int = _f(0, "override of the flavor's hidden size (0: keep)")
