@@ -53,6 +53,10 @@ FEATURES = {
     "tiled_mlp": {"tiled_mlp": True},
     "offload": {"offload_activations": True},
     "all": {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True},
+    # Parameter shards, gradients and AdamW state in host memory (FSDP2 CPU offload).
+    "offload_params": {"offload_params": True},
+    "all+offload_params": {"tiled_loss": True, "tiled_mlp": True, "offload_activations": True,
+                           "offload_params": True},
 }
 # ALST (arXiv 2506.13996), Llama-3-8B on H100 80GB, max trainable sequence length.
 ALST = {"llama3_8b": {1: 500_000, 8: 3_700_000, 32: 15_000_000}}

@@ -43,6 +43,7 @@ ACCURACY_CASES = {
                        "--memory.tiled_mlp", "true", "--memory.mlp_tiles", "4",
                        "--memory.tiled_loss", "true", "--memory.loss_chunks", "4",
                        "--memory.offload_activations", "true"], 2048),
+    "w2_sp2_offload_params": (2, ["--parallelism.sp", "2", "--memory.offload_params", "true"], 2048),
     "w2_dp2_bf16": (2, ["--parallelism.sp", "1", "--parallelism.dp_shard", "2",
                         "--training.global_batch_size", "2",
                         "--training.mixed_precision_param", "bfloat16"], 1024),
@@ -229,7 +230,7 @@ def real_peaks():
     the ``fake`` process group standing in for the other ranks (collectives
     then move no data but allocate their outputs as usual; no gloo threads).
     """
-    import ulysses_dtensor.estimate as est
+    import ulysses_dtensor.estimate.trace as est
 
     out = {name: {} for name in ACCURACY_CASES}
     with tempfile.TemporaryDirectory() as tmp:
@@ -321,6 +322,27 @@ def test_offload_moves_the_block_inputs_to_the_host():
     assert off.host_bytes == 0
 
 
+def test_offload_params_moves_the_parameter_state_to_the_host():
+    # Planned for CUDA (on a CPU trainer host and device memory are one).
+    bf16 = ("--training.mixed_precision_param", "bfloat16")
+    off = _plan(*bf16, device="cuda")
+    on = _plan(*bf16, "--memory.offload_params", "true", device="cuda")
+    state = ("Sharded Param", "Sharded Grad", "OptState")
+    assert not any(c in on.breakdown for c in state), on.breakdown
+    shards = off.breakdown["Sharded Param"]  # fp32 masters, this rank's shard
+    # AdamW keeps two fp32 moments per parameter; the gradients are as large.
+    assert on.host_bytes >= 4 * shards
+    # The device keeps neither the shards nor the moments, but gains the
+    # staging copy of the largest group: final norm + output head, halved by sp 2.
+    staging = on.breakdown["offload_staging"]
+    assert staging == (64 + 2048 * 64) * 4 // 2
+    assert on.peak_bytes <= off.peak_bytes - shards - off.breakdown["OptState"] + staging
+    assert on.peak_bytes >= off.peak_bytes - off.state_bytes
+    # Clipping and the AdamW step run on the host: no device peak of their own.
+    assert on.phase_peaks["optimizer"] <= on.phase_peaks["backward"]
+    assert sum(on.breakdown.values()) == on.peak_bytes
+
+
 def test_extrapolated_plan_equals_the_full_trace():
     cfg = load_config(FEAT + ["--model.n_layers", "9", "--activation_checkpoint.mode", "full"])
     full = plan_memory(cfg, 2, FEAT_SEQ, device="cpu", layers="full")
@@ -350,7 +372,7 @@ def test_foreach_adamw_over_sharded_params_costs_one_state_copy():
 
 @pytest.mark.parametrize("private", [True, False])
 def test_dtensor_shape_propagation_is_not_counted(private):
-    # Why estimate.py gives DTensor's shape propagation its own fake mode: in
+    # Why estimate/trace.py gives DTensor's shape propagation its own fake mode: in
     # the planner's fake mode, DTensor runs each op once more on fake tensors
     # of the GLOBAL shape to learn the output's metadata, and the tracker
     # counted those as allocations (AdamW foreach over FSDP shards "peaked" at
@@ -362,7 +384,7 @@ def test_dtensor_shape_propagation_is_not_counted(private):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    import ulysses_dtensor.estimate as est
+    import ulysses_dtensor.estimate.trace as est
 
     world, rows = 4, 1237 + (0 if private else 1)
     with est._fake_world(world):

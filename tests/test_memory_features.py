@@ -182,7 +182,9 @@ FEATURES = {
     "tiled_mlp_auto": dict(tiled_mlp=True),
     "tiled_loss": dict(tiled_loss=True, loss_chunks=4),
     "offload": dict(ac_mode="full", offload_activations=True),
-    "all": dict(ac_mode="full", offload_activations=True, tiled_mlp=True, mlp_tiles=2, tiled_loss=True, loss_chunks=3),
+    "offload_params": dict(offload_params=True),
+    "all": dict(ac_mode="full", offload_activations=True, tiled_mlp=True, mlp_tiles=2, tiled_loss=True, loss_chunks=3,
+                offload_params=True),
 }
 
 
@@ -229,6 +231,15 @@ def _features_worker(rank: int, world: int) -> None:
         assert grads.keys() == ref_grads.keys(), (name, sorted(grads), sorted(ref_grads))
         for n, g_ in grads.items():
             torch.testing.assert_close(g_, ref_grads[n], rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")
+        if features.get("offload_params"):
+            # Every shard, and every gradient shard, is a host tensor under the policy.
+            from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+            assert all(p.to_local().is_cpu and p.grad.to_local().is_cpu for p in model.parameters())
+            groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+            groups = {id(g): g for g in groups if g is not None}.values()  # [norm, output] share one
+            # embedding, 2 blocks, norm + output: every group offloads.
+            assert len(groups) == 4 and all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
         if features.get("offload_activations"):
             # Both block inputs (B, S/sp, dim) fp32 went to the host.
             assert model.offloader.offloaded_bytes == 2 * (2 * 20 * 32 * 4)

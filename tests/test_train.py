@@ -85,7 +85,8 @@ def test_end_to_end_4_ranks(reference):
     ((1, 1, 1), ("--training.micro_batch_size", "1")),  # 4 accumulated micro-batches
     ((1, 1, 2), ()),
     ((2, 1, 2), ()),  # HSDP: replicate x (shard x sp)
-], ids=["1x1x1", "1x1x1-micro1", "1x1x2", "2x1x2"])
+    ((1, 1, 2), ("--memory.offload_params", "true")),  # AdamW on host-offloaded shards
+], ids=["1x1x1", "1x1x1-micro1", "1x1x2", "2x1x2", "1x1x2-offload_params"])
 def test_mesh_independence(reference, tmp_path, mesh, extra):
     """Same seed and global batch: the same losses on every mesh (dp_replicate, dp_shard, sp)."""
     ref = _rows(reference[0])

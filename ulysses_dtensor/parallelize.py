@@ -24,12 +24,19 @@ rank: FSDP2 averages by default, so every FSDP module gets a divide factor of
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -59,11 +66,13 @@ def parallelize_llama(
     tiled_loss: bool = False,
     loss_chunks: int | None = None,
     offload_activations: bool = False,
+    offload_params: bool = False,
 ) -> nn.Module:
     """Parallelize ``model`` (a :class:`~ulysses_dtensor.models.llama.Llama`) in place.
 
     Call on the meta-device model, then ``model.to_empty(device=...)`` and
-    ``model.init_weights(seed)``.
+    ``model.init_weights(seed)``; with ``offload_params`` the parameters must
+    be materialised on the host: ``model.to_empty(device="cpu")``.
 
     Args:
         pmesh: from ``ParallelDims(...).build_mesh(device_type)``.
@@ -89,6 +98,15 @@ def parallelize_llama(
         offload_activations: with ``ac_mode="full"``, keep each block's input
             in pinned host memory between forward and backward
             (``model.offloader`` reports the bytes).
+        offload_params: keep the parameter shards, their gradients and the
+            optimizer state in host memory (FSDP2 ``CPUOffloadPolicy``,
+            pinned on CUDA): each group is copied to the device for its
+            all-gather, gradients go back to the host after the
+            reduce-scatter, and the optimizer steps on the CPU. The device
+            then holds only the unsharded parameters in use and activations.
+            CPU tensors meet in collectives (gradient-norm clipping), so on
+            CUDA the process group needs a CPU backend too
+            (``init_process_group("cuda:nccl,cpu:gloo")``).
     """
     layers = _blocks(model)
     if ac_mode not in AC_MODES:
@@ -136,6 +154,8 @@ def parallelize_llama(
         layers.register_module(layer_id, block)
 
     mesh = pmesh.param_mesh
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload_params else OffloadPolicy()
+    shard = functools.partial(fully_shard, mesh=mesh, offload_policy=offload)
     # Inputs are not cast: rope cos/sin stay float32 under bf16 compute
     # (activations already come out of the embedding in param_dtype).
     mp = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
@@ -143,17 +163,17 @@ def parallelize_llama(
     if not tied and hasattr(model, "tok_embeddings"):
         # Own groups, so the (vocab x dim) tables are not held unsharded for
         # the whole step. Tied tables must stay in one group: the root's.
-        fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        shard(model.tok_embeddings, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     n = len(layers)
     for i, block in enumerate(layers.values()):
         # The last block's parameters are needed again at once by backward.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < n - 1)
+        shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < n - 1)
     if not tied and hasattr(model, "output"):
         # Used last in forward and first in backward: never resharded in between.
-        fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        shard([model.norm, model.output], mp_policy=mp, reshard_after_forward=False)
     # The root (tied tables, else no parameters) keeps FSDP's own root policy.
-    fully_shard(
-        model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype),
+    shard(
+        model, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype),
         reshard_after_forward=None if reshard_after_forward else False,
     )
     for module in model.modules():

@@ -181,6 +181,9 @@ class Memory:
     offload_activations: bool = _f(
         False, "keep checkpointed block inputs in pinned host memory (needs activation_checkpoint.mode='full')"
     )
+    offload_params: bool = _f(
+        False, "keep parameters, gradients and AdamW state in host memory; AdamW steps on the CPU"
+    )
 
 
 @dataclass

@@ -38,19 +38,29 @@ __all__ = ["train", "init_distributed", "resolve_vocab_size"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def init_distributed() -> tuple[torch.device, bool]:
+def init_distributed(cpu_collectives: bool = False) -> tuple[torch.device, bool]:
     """Start the process group from torchrun's env (or a world of one).
 
     nccl + this process's LOCAL_RANK GPU when CUDA is present, else gloo + CPU.
+    ``cpu_collectives``: on CUDA also give the group a gloo backend for CPU
+    tensors (host-offloaded parameters meet in the gradient-norm reduction).
     Returns (device, whether this call created the group).
     """
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
+        if cpu_collectives:
+            backend = "cuda:nccl,cpu:gloo"
     else:
         device, backend = torch.device("cpu"), "gloo"
     if dist.is_initialized():
+        if cpu_collectives and device.type == "cuda" and "gloo" not in str(dist.get_backend()):
+            raise RuntimeError(
+                f"memory.offload_params=true needs a process group that can reduce CPU tensors; "
+                f"the existing one has backend {dist.get_backend()!r}: initialise it with "
+                "backend='cuda:nccl,cpu:gloo'"
+            )
         return device, False
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
@@ -100,8 +110,10 @@ def build_model(cfg: JobConfig, pmesh, vocab_size: int, device: torch.device):
         tiled_loss=cfg.memory.tiled_loss,
         loss_chunks=cfg.memory.loss_chunks or None,
         offload_activations=cfg.memory.offload_activations,
+        offload_params=cfg.memory.offload_params,
     )
-    model.to_empty(device=device)
+    # Host-offloaded parameter shards live in host memory from the start.
+    model.to_empty(device="cpu" if cfg.memory.offload_params else device)
     model.init_weights(seed=cfg.job.seed)
     return model
 
@@ -125,7 +137,7 @@ def train(cfg: JobConfig) -> list[dict]:
         cfg.lr_scheduler.min_lr_ratio,
     )
 
-    device, owns_group = init_distributed()
+    device, owns_group = init_distributed(cpu_collectives=cfg.memory.offload_params)
     if not owns_group:  # a caller's group: leave its lifetime to the caller
         return _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule)
     with finish_together():

@@ -1,0 +1,202 @@
+"""Tracing one training step on rank 0 of a fake world, and extrapolating
+traces linearly in the layer count."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .tracker import _classifier, _make_tracker_cls
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "plan_memory runs its own fake process group and must be called in a process "
+            "without one (call it before init_process_group, or in a subprocess)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _private_sharding_prop_fake_mode():
+    """Give DTensor's shape propagation its own FakeTensorMode while tracing.
+
+    DTensor computes an op's output metadata by running the op on fake tensors
+    of the GLOBAL (unsharded) shapes, reusing whatever fake mode is active. Under
+    the planner's fake mode that reuse makes the tracker count those global
+    tensors as allocations: AdamW(foreach=True) over FSDP-sharded parameters then
+    "peaks" at several times the full (unsharded) optimizer state (101 GiB for
+    Llama-3-8B on 8 ranks whose real state is 7.5 GiB). In eager mode the
+    propagation runs in a fresh fake mode, which the tracker skips; a private
+    fake mode restores exactly that.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        import torch.distributed.tensor._sharding_prop as sharding_prop
+    except ImportError:  # pragma: no cover - other torch layouts
+        yield
+        return
+    if not hasattr(sharding_prop, "detect_fake_mode"):  # pragma: no cover
+        yield
+        return
+    original = sharding_prop.detect_fake_mode
+    private = FakeTensorMode()
+    sharding_prop.detect_fake_mode = lambda *a, **k: private
+    try:
+        yield
+    finally:
+        sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
+def _no_weight_init():
+    """Weight values do not matter for memory, and the init needs real data."""
+    from ..models.llama import Llama
+
+    original = Llama.init_weights
+    Llama.init_weights = lambda self, seed=0: None
+    try:
+        yield
+    finally:
+        Llama.init_weights = original
+
+
+@dataclass
+class _Trace:
+    n_layers: int
+    phase_peaks: dict
+    boundaries: dict
+    host_peak: int
+    seconds: float
+
+
+def _vocab_size(cfg) -> int:
+    from ..data import build_tokenizer
+    from ..trainer.loop import resolve_vocab_size
+
+    return resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
+
+
+def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, foreach: bool) -> _Trace:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..loss import count_valid_tokens
+    from ..trainer.config import model_args, validate_config
+    from ..trainer.loop import build_model
+    from ..trainer.step import build_optimizer, train_step
+
+    dims = validate_config(cfg, world_size)
+    vocab = _vocab_size(cfg)
+    args = model_args(cfg, vocab)
+    seq_len = cfg.training.seq_len
+    s_local = seq_len // dims.sp
+    t0 = time.perf_counter()
+    with _fake_world(world_size):
+        pmesh = dims.build_mesh("cpu")  # before fake mode: flattening reads real tensors
+        with FakeTensorMode(allow_non_fake_inputs=True), _private_sharding_prop_fake_mode():
+            with _no_weight_init():
+                model = build_model(cfg, pmesh, vocab, torch.device("cpu"))
+            offloader = getattr(model, "offloader", None)
+            if offloader is not None and device == "cuda":
+                # Host copies on "meta": free on the traced device, counted as host memory.
+                # (Planning for CPU keeps the trainer's CPU path: a copy in the same memory.)
+                offloader.host_device = torch.device("meta")
+            optimizer = build_optimizer(cfg, model, foreach=foreach)
+            # Steady state: the optimizer state exists before the traced step.
+            params = [p for p in model.parameters() if p.requires_grad]
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            batch = {
+                "input_ids": torch.zeros(rows, s_local, dtype=torch.long),
+                "labels": torch.zeros(rows, s_local, dtype=torch.long),
+                "position_ids": torch.arange(s_local).repeat(rows, 1),
+                "document_ids": None,
+            }
+            n_valid = count_valid_tokens(batch["labels"], pmesh.loss)
+            tracker = _make_tracker_cls()(
+                model,
+                optimizer,
+                classify=_classifier(vocab, args.ffn_dim, args.dim),
+                device=torch.device("cpu"),
+                gpu_workspace=device == "cuda",
+                host_state=cfg.memory.offload_params and device == "cuda",
+                staging=_largest_shard_group_bytes(model),
+            )
+            tracker.track_inputs((batch["input_ids"], batch["labels"], batch["position_ids"]))
+            with tracker:
+                train_step(
+                    model,
+                    optimizer,
+                    batch,
+                    n_valid,
+                    micro_batch_size=micro,
+                    max_norm=cfg.training.max_norm or math.inf,
+                    lr=cfg.optimizer.lr,
+                    params=params,
+                    on_phase=tracker.set_phase,
+                )
+            del model, optimizer, params, batch
+    return _Trace(
+        n_layers=args.n_layers,
+        phase_peaks=tracker.phase_peaks,
+        boundaries=tracker.boundaries,
+        host_peak=tracker.host_peak,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _largest_shard_group_bytes(model) -> int:
+    """Bytes of the largest FSDP group's local shards.
+
+    Under CPU offload each all-gather first copies its group's shards to the
+    device (then casts them to the compute dtype): a transient the trace, run
+    on one device, does not allocate."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sizes = [0]
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        if group is not None:
+            sizes.append(sum(p.to_local().numel() * p.element_size() for p in (fp.sharded_param for fp in group.fsdp_params)))
+    return max(sizes)
+
+
+def _lin_dict(a: dict, b: dict, w: float) -> dict:
+    keys = set(a) | set(b)
+    return {k: max(0, round(a.get(k, 0) + (b.get(k, 0) - a.get(k, 0)) * w)) for k in keys}
+
+
+def _extrapolate(t1: _Trace, t2: _Trace, n_layers: int) -> _Trace:
+    """Each phase's peak, categories and kinds: linear in the layer count."""
+    w = (n_layers - t1.n_layers) / (t2.n_layers - t1.n_layers)
+    phases = {}
+    for ph in set(t1.phase_peaks) & set(t2.phase_peaks):
+        p1, p2 = t1.phase_peaks[ph], t2.phase_peaks[ph]
+        phases[ph] = {
+            "total": round(p1["total"] + (p2["total"] - p1["total"]) * w),
+            "cats": _lin_dict(p1["cats"], p2["cats"], w),
+            "kinds": _lin_dict(p1["kinds"], p2["kinds"], w),
+        }
+    bounds = {
+        ph: _lin_dict(t1.boundaries[ph], t2.boundaries[ph], w)
+        for ph in set(t1.boundaries) & set(t2.boundaries)
+    }
+    host = round(t1.host_peak + (t2.host_peak - t1.host_peak) * w)
+    return _Trace(n_layers, phases, bounds, max(0, host), t1.seconds + t2.seconds)
