@@ -26,7 +26,6 @@ Backends:
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import inspect
@@ -37,6 +36,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .suggest import unknown_name
 
 __all__ = [
     "BACKENDS",
@@ -65,11 +66,7 @@ def check_backend(name: str) -> str:
     """Return ``name`` if it is a known backend, else raise a ValueError."""
     if name in BACKENDS:
         return name
-    msg = f"unknown attention backend {name!r}; valid: {', '.join(BACKENDS)}"
-    close = difflib.get_close_matches(str(name), BACKENDS, n=1)
-    if close:
-        msg += f" (did you mean {close[0]!r}?)"
-    raise ValueError(msg)
+    raise ValueError(unknown_name("attention backend", name, BACKENDS))
 
 
 def _import_flash_attn():

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from .mesh import ParallelMesh
 from .offload import HostOffloader, OffloadedCheckpointBlock
+from .suggest import unknown_name
 from .ulysses import UlyssesAttention, kv_replication
 
 __all__ = ["AC_MODES", "clip_grad_norm_", "parallelize_llama"]
@@ -228,11 +229,7 @@ def _check_compile_backend(name: str) -> None:
 
     valid = list_backends(exclude_tags=())
     if name not in valid:
-        import difflib
-
-        close = difflib.get_close_matches(name, valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown compile_backend {name!r}; valid: {', '.join(valid)}{hint}")
+        raise ValueError(unknown_name("compile_backend", name, valid))
 
 
 # ---------------------------------------------------------------------------

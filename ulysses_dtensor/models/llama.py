@@ -23,7 +23,6 @@ Typical life cycle::
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from torch import Tensor, nn
 
 from ..attention import LocalAttention, check_backend
 from ..loss import sp_cross_entropy
+from ..suggest import unknown_name
 from ..tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
 
 __all__ = [
@@ -133,12 +133,7 @@ def llama_args(flavor: str, **overrides) -> LlamaArgs:
 
 
 def _unknown(what: str, name, valid) -> str:
-    valid = sorted(valid)
-    msg = f"unknown {what} {name!r}; valid: {', '.join(valid)}"
-    close = difflib.get_close_matches(str(name), valid, n=1)
-    if close:
-        msg += f" (did you mean {close[0]!r}?)"
-    return msg
+    return unknown_name(what, name, sorted(valid))
 
 
 # ---------------------------------------------------------------------------

@@ -21,7 +21,6 @@ what would be valid.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import sys
 import typing
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from ..attention import BACKENDS
 from ..schedule import DECAYS, ContextSchedule, Stage
+from ..suggest import did_you_mean
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -252,8 +252,7 @@ _FIELDS = {name: {f.name: f for f in dataclasses.fields(cls)} for name, cls in _
 
 
 def _suggest(name: str, options) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return did_you_mean(name, options, cutoff=0.5)
 
 
 def _check_section(section: str) -> None:
