@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from ..attention import LocalAttention, check_backend
 from ..loss import sp_cross_entropy
 from ..suggest import unknown_name
+from .norm import RMSNorm
 from ..tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
 
 __all__ = [
@@ -184,23 +185,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 whatever the activation dtype."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 class Attention(nn.Module):
