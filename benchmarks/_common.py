@@ -393,12 +393,18 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return None
 
 
-def init_distributed(device_type: str, rank: int, world_size: int, local_rank: int, store_path: str | None) -> torch.device:
-    """Init the default process group (gloo on CPU, nccl on CUDA); return this rank's device."""
+def init_distributed(
+    device_type: str, rank: int, world_size: int, local_rank: int, store_path: str | None,
+    cpu_collectives: bool = False,
+) -> torch.device:
+    """Init the default process group (gloo on CPU, nccl on CUDA); return this rank's device.
+
+    ``cpu_collectives``: on CUDA add gloo for CPU tensors (host-offloaded parameters).
+    """
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        backend = "nccl"
+        backend = "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -424,7 +430,7 @@ def stdout_for_records():
     return out
 
 
-def _rank_entry(rank, world_size, store_path, device_type, threads, out_queue, fn, args):
+def _rank_entry(rank, world_size, store_path, device_type, threads, out_queue, fn, args, cpu_collectives):
     # Only the parent writes to stdout: route this rank's prints to stderr.
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -432,7 +438,7 @@ def _rank_entry(rank, world_size, store_path, device_type, threads, out_queue, f
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )
-    device = init_distributed(device_type, rank, world_size, rank, store_path)
+    device = init_distributed(device_type, rank, world_size, rank, store_path, cpu_collectives)
 
     def report(record: dict) -> None:
         if rank == 0:
@@ -454,6 +460,7 @@ def launch_ranks(
     device_type: str = "cpu",
     threads: int = 1,
     on_record: Callable[[dict], None] = emit,
+    cpu_collectives: bool = False,
 ) -> bool:
     """Run ``fn(rank, world_size, device, report, *args)`` on ``world_size`` spawned ranks.
 
@@ -467,7 +474,7 @@ def launch_ranks(
         store = os.path.join(tmp, "store")
         pc = mp.start_processes(
             _rank_entry,
-            args=(world_size, store, device_type, threads, out_queue, fn, args),
+            args=(world_size, store, device_type, threads, out_queue, fn, args, cpu_collectives),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -168,6 +168,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiled-loss", action="store_true")
     p.add_argument("--loss-chunks", type=int)
     p.add_argument("--offload-activations", action="store_true", help="needs --ac full")
+    p.add_argument("--offload-params", action="store_true",
+                   help="parameter shards, gradients and AdamW state in host memory (FSDP2 CPU offload)")
     p.add_argument("--attn-backend", help="LlamaArgs.attn_backend (default: auto = sdpa on CPU, "
                    "flash_attn or varlen on CUDA in 16-bit)")
     p.add_argument("--max-norm", type=float, default=1.0)
@@ -356,8 +358,9 @@ def build(a, args, pmesh, device: torch.device):
         tiled_mlp=a.tiled_mlp, mlp_tiles=a.mlp_tiles,
         tiled_loss=a.tiled_loss, loss_chunks=a.loss_chunks,
         offload_activations=a.offload_activations,
+        offload_params=a.offload_params,
     )
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if a.offload_params else device)
     model.init_weights(seed=a.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     return model, optimizer
@@ -370,14 +373,17 @@ def make_batch(a, pmesh, seq: int, vocab: int, device: torch.device) -> dict:
     return {k: (v.to(device) if v is not None else None) for k, v in local.items()}
 
 
-def resident_bytes(model, optimizer) -> int:
-    """Bytes of this rank's parameter shards and optimizer state (before a step: no grads)."""
+def resident_bytes(model, optimizer, device: torch.device) -> int:
+    """Bytes of this rank's parameter shards and optimizer state on ``device`` (before a
+    step: no grads). Host-offloaded shards (--offload-params on CUDA) do not count."""
     seen, total = set(), 0
 
     def add(t):
         nonlocal total
         if isinstance(t, torch.Tensor):
             local = t.to_local() if hasattr(t, "to_local") else t
+            if local.device.type != device.type:
+                return
             key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
             if key not in seen:
                 seen.add(key)
@@ -419,7 +425,7 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
     for _ in range(a.warmup - 1):
         step()
     C.sync(device)
-    state = resident_bytes(model, optimizer)
+    state = resident_bytes(model, optimizer, device)
     # 3) memory: CPU has no peak counter -> a separate profiled (untimed) step
     mem = {"resident_bytes": state}
     if device.type != "cuda":
@@ -518,6 +524,7 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
             "dtype": a.dtype, "reduce_dtype": a.reduce_dtype, "pack_qkv": a.pack_qkv,
             "tiled_mlp": a.tiled_mlp, "mlp_tiles": a.mlp_tiles, "tiled_loss": a.tiled_loss,
             "loss_chunks": a.loss_chunks, "offload_activations": a.offload_activations,
+            "offload_params": a.offload_params,
             "optimizer": "AdamW", "max_norm": a.max_norm, "warmup": a.warmup, "iters": a.iters,
         },
         "step_time": ({"median_ms": round(step_s * 1e3, 4)} if extrapolated else
@@ -664,7 +671,7 @@ def main_real(a) -> int:
         out = C.stdout_for_records() if rank == 0 else None
         if a.threads:
             torch.set_num_threads(a.threads)
-        device = C.init_distributed(a.device, rank, world, local_rank, None)
+        device = C.init_distributed(a.device, rank, world, local_rank, None, a.offload_params)
         report = (lambda r: C.emit(r, out)) if rank == 0 else (lambda r: None)
         with finish_together():
             for sp in (a.sp if a.sp_given else [world // a.dp_replicate]):
@@ -674,7 +681,8 @@ def main_real(a) -> int:
     for sp in a.sp:
         world = a.world or sp * a.dp_replicate
         threads = a.threads or max(1, C.usable_cores() // world)
-        ok &= C.launch_ranks(world, real_worker, (a, sp), device_type=a.device, threads=threads)
+        ok &= C.launch_ranks(world, real_worker, (a, sp), device_type=a.device, threads=threads,
+                             cpu_collectives=a.offload_params)
     return 0 if ok else 1
 
 

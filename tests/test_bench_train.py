@@ -33,7 +33,8 @@ from ulysses_dtensor.ulysses import exchange_bytes_per_rank
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_train.py")
 
-REAL_ARGS = ("--mode", "real", "--ac", "full")
+# The real mode also exercises host-offloaded parameters (FSDP2 CPU offload).
+REAL_ARGS = ("--mode", "real", "--ac", "full", "--offload-params")
 SIM_ARGS = ("--mode", "simulate", "--link-gbps", "100", "--latency-us", "5",
             "--layers", "2", "3", "--extrapolate-layers", "6")
 
@@ -116,7 +117,7 @@ def test_real_mode(records):
     assert [r["config"]["mesh"]["sp"] for r in recs] == [1, 2]
     for rec in recs:
         _check_common(rec, "real")
-        assert rec["config"]["ac"] == "full"
+        assert rec["config"]["ac"] == "full" and rec["config"]["offload_params"] is True
         assert rec["world_size"] == rec["processes"] == rec["config"]["mesh"]["sp"]
         assert rec["communication"] == "real (gloo)"
         fig = rec["figures"]
