@@ -62,19 +62,6 @@ def _private_sharding_prop_fake_mode():
         sharding_prop.detect_fake_mode = original
 
 
-@contextlib.contextmanager
-def _no_weight_init():
-    """Weight values do not matter for memory, and the init needs real data."""
-    from ..models.llama import Llama
-
-    original = Llama.init_weights
-    Llama.init_weights = lambda self, seed=0: None
-    try:
-        yield
-    finally:
-        Llama.init_weights = original
-
-
 @dataclass
 class _Trace:
     n_layers: int
@@ -108,8 +95,8 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
     with _fake_world(world_size):
         pmesh = dims.build_mesh("cpu")  # before fake mode: flattening reads real tensors
         with FakeTensorMode(allow_non_fake_inputs=True), _private_sharding_prop_fake_mode():
-            with _no_weight_init():
-                model = build_model(cfg, pmesh, vocab, torch.device("cpu"))
+            # Weight values do not matter for memory, and the init needs real data.
+            model = build_model(cfg, pmesh, vocab, torch.device("cpu"), init_weights=False)
             offloader = getattr(model, "offloader", None)
             if offloader is not None and device == "cuda":
                 # Host copies on "meta": free on the traced device, counted as host memory.

@@ -86,7 +86,10 @@ def _print0(*args) -> None:
         print(*args, flush=True)
 
 
-def build_model(cfg: JobConfig, pmesh, vocab_size: int, device: torch.device):
+def build_model(cfg: JobConfig, pmesh, vocab_size: int, device: torch.device, *, init_weights: bool = True):
+    """The parallelized Llama of ``cfg``, materialised on ``device`` (parameter
+    shards on the host with ``memory.offload_params``); ``init_weights=False``
+    leaves the values uninitialised (memory planning)."""
     from ..models.llama import Llama
     from ..parallelize import parallelize_llama
 
@@ -114,7 +117,8 @@ def build_model(cfg: JobConfig, pmesh, vocab_size: int, device: torch.device):
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if cfg.memory.offload_params else device)
-    model.init_weights(seed=cfg.job.seed)
+    if init_weights:
+        model.init_weights(seed=cfg.job.seed)
     return model
 
 
