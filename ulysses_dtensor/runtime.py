@@ -34,7 +34,11 @@ def exit_process(code: int = 0) -> None:
     idle): a rank that finished its work and destroyed its process group
     still aborted during interpreter shutdown with "terminate called without
     an active exception", when C++ worker threads of the gloo groups were torn
-    down. That turns a finished job into a failure. A rank whose work is done
+    down. The mechanism described upstream (pytorch/pytorch PR 179291, not
+    merged): gloo worker threads can still hold finished work objects whose
+    tensors are released during interpreter finalization, and that release
+    needs the GIL of an interpreter being torn down. That turns a finished
+    job into a failure. A rank whose work is done
     and flushed has nothing left for the teardown to do, so it skips it.
     Only for ``__main__`` entry points and spawned workers, never in library
     code.
