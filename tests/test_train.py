@@ -118,3 +118,18 @@ def test_resume_across_stage_change(reference, tmp_path):
         assert r["tokens_seen"] == ref[r["step"]]["tokens_seen"]
         assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6, abs=0)
         assert r["lr"] == pytest.approx(ref[r["step"]]["lr"])
+
+
+def test_resume_into_host_offloaded_parameters(reference, tmp_path):
+    """A checkpoint saved with parameters on the device resumes into
+    memory.offload_params (shards and AdamW state in host memory): same losses."""
+    ref_dump, _ = reference
+    shutil.copytree(ref_dump / "checkpoint" / "step-3", tmp_path / "checkpoint" / "step-3")
+    _run(tmp_path, 4, "--parallelism.dp_shard", "2", "--parallelism.sp", "2",
+         "--memory.offload_params", "true")
+    ref = {r["step"]: r for r in _rows(ref_dump)}
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [4, 5, 6]
+    for r in rows:
+        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6, abs=0)
+        assert r["grad_norm"] == pytest.approx(ref[r["step"]]["grad_norm"], rel=1e-5)
