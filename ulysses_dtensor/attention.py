@@ -77,11 +77,18 @@ def _import_flash_attn():
         raise ImportError(_FLASH_EXTRA_MSG) from e
 
 
+_RESOLVED: dict[tuple[str, torch.dtype], str] = {}
+
+
 @torch.compiler.assume_constant_result
 def _resolved_default(device: torch.device, dtype: torch.dtype) -> str:
-    # A constant to torch.compile: it runs the (untraceable) import probes once
-    # at trace time instead of tracing them. Eager calls hit sys.modules only.
-    return default_backend(device, dtype)
+    # Runs per attention call: the import probes (a failed import searches the
+    # file system) run once per (device type, dtype). A constant to
+    # torch.compile, which calls it at trace time instead of tracing it.
+    key = (device.type, dtype)
+    if key not in _RESOLVED:
+        _RESOLVED[key] = default_backend(device, dtype)
+    return _RESOLVED[key]
 
 
 def _has_varlen() -> bool:
