@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ulysses_dtensor.runtime import exit_process, finish_together
+from ulysses_dtensor.runtime import exit_process, finish_together, process_group_backend
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=600)
 
@@ -404,10 +404,9 @@ def init_distributed(
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        backend = "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
+    backend = process_group_backend(device_type, cpu_collectives)
     kwargs = {"backend": backend, "rank": rank, "world_size": world_size, "timeout": RENDEZVOUS_TIMEOUT}
     if store_path is not None:
         kwargs["init_method"] = f"file://{store_path}"

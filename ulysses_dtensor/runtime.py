@@ -9,6 +9,14 @@ import sys
 import torch.distributed as dist
 
 
+def process_group_backend(device_type: str, cpu_collectives: bool = False) -> str:
+    """gloo on CPU, nccl on CUDA; ``cpu_collectives`` adds gloo beside nccl for CPU
+    tensors (host-offloaded parameters meet in the gradient-norm reduction)."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+
+
 @contextlib.contextmanager
 def finish_together():
     """Destroy the process group on exit; after a barrier when the body succeeded.

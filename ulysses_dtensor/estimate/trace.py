@@ -117,14 +117,15 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
                 "document_ids": None,
             }
             n_valid = count_valid_tokens(batch["labels"], pmesh.loss)
+            host_state = cfg.memory.offload_params and device == "cuda"
             tracker = _make_tracker_cls()(
                 model,
                 optimizer,
                 classify=_classifier(vocab, args.ffn_dim, args.dim),
                 device=torch.device("cpu"),
                 gpu_workspace=device == "cuda",
-                host_state=cfg.memory.offload_params and device == "cuda",
-                staging=_largest_shard_group_bytes(model),
+                host_state=host_state,
+                staging=_largest_shard_group_bytes(model) if host_state else 0,
             )
             tracker.track_inputs((batch["input_ids"], batch["labels"], batch["position_ids"]))
             with tracker:

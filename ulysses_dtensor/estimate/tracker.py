@@ -56,7 +56,7 @@ def _make_tracker_cls():
             device copy of the largest shard group being gathered, which the
             one-device trace cannot see; added to every device peak."""
             super().__init__(mod, optm)
-            self._staging = staging if host_state else 0
+            self._staging = staging
             self._host_cats = _HOST_STATE_CATEGORIES if host_state else ()
             self._host_phases = _HOST_PHASES if host_state else ()
             self._meta_level = 0

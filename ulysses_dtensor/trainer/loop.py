@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..batch import shard_batch
-from ..runtime import finish_together
+from ..runtime import finish_together, process_group_backend
 from ..data import PackedLoader, TokenStream, build_source, build_tokenizer, padded_vocab_size
 from ..loss import count_valid_tokens, global_loss
 from ..schedule import LRSchedule
@@ -49,17 +49,16 @@ def init_distributed(cpu_collectives: bool = False) -> tuple[torch.device, bool]
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-        if cpu_collectives:
-            backend = "cuda:nccl,cpu:gloo"
+        device = torch.device("cuda", local_rank)
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        device = torch.device("cpu")
+    backend = process_group_backend(device.type, cpu_collectives)
     if dist.is_initialized():
         if cpu_collectives and device.type == "cuda" and "gloo" not in str(dist.get_backend()):
             raise RuntimeError(
                 f"memory.offload_params=true needs a process group that can reduce CPU tensors; "
                 f"the existing one has backend {dist.get_backend()!r}: initialise it with "
-                "backend='cuda:nccl,cpu:gloo'"
+                f"backend={process_group_backend('cuda', True)!r}"
             )
         return device, False
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
