@@ -13,8 +13,8 @@ same segmentation even if an id value happens to repeat later in the row.
 
 Backends:
 
-* ``auto``       the default: resolved per call from the tensors' device and dtype
-                 by :func:`default_backend` (``sdpa`` on CPU; on CUDA in 16-bit
+* ``auto``       the default: picked from the tensors' device and dtype by
+                 :func:`default_backend` (once per device type and dtype) (``sdpa`` on CPU; on CUDA in 16-bit
                  ``flash_attn`` if installed, else ``varlen``, else ``sdpa``).
 * ``sdpa``       torch SDPA; CPU and CUDA, forward and backward. Documents use a
                  dense (B, 1, S, S) boolean mask.
