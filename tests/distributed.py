@@ -1,53 +1,161 @@
-"""Run a function on N CPU ranks (gloo) from a test.
+"""Run a function on N CPU ranks (gloo) from a test, on a pool of live ranks.
 
-Each rank is a spawned process; an exception on any rank fails the test with
-that rank's traceback. A FileStore rendezvous avoids port clashes between
-tests, and the timeout turns a collective hang into a failure.
+Spawning N interpreters that import torch costs seconds per call (6 s for 8
+ranks on 2 cores), far more than most multi-rank tests themselves. So each
+world size gets ONE pool of spawned processes per pytest session: they join a
+gloo group once and then run one task after another. A task is
+``fn(rank, world_size, *args)``; its return values come back as a list indexed
+by rank.
+
+What a task may rely on, and must leave as it found:
+  * the default (world) process group is initialised and stays so: never
+    init or destroy it; sub-groups (meshes) made by a task are destroyed after
+    it, and dynamo's caches are reset;
+  * global state (default dtype, grad mode, threads, registries) is restored
+    by the pool where it is torch's, and by the task where it is anyone else's.
+
+An exception on any rank fails the test with that rank's traceback and the
+pool is discarded (the other ranks may be stuck in a collective); the next
+call starts a fresh one. A task that runs past ``timeout`` fails the same way.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import queue
+import shutil
 import tempfile
+import time
+import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ulysses_dtensor.runtime import exit_process, finish_together
-
 TIMEOUT = datetime.timedelta(seconds=180)
+TASK_TIMEOUT_S = 300.0
+
+__all__ = ["run_ranks", "RankFailure"]
 
 
-def _entry(rank: int, world_size: int, store_path: str, fn, args) -> None:
+class RankFailure(AssertionError):
+    """A task failed (or hung) on a rank; the message holds the rank's traceback."""
+
+
+def _reset_between_tasks() -> None:
+    # Sub-groups of the finished task (meshes) would otherwise accumulate:
+    # every group holds sockets and threads in every rank.
+    world = dist.group.WORLD
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        if pg is not world:
+            dist.destroy_process_group(pg)
+    torch._dynamo.reset()
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
     torch.set_num_threads(1)
-    os.environ["RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
-    os.environ["LOCAL_RANK"] = str(rank)
+
+
+def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=world_size,
-        timeout=TIMEOUT,
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, timeout=TIMEOUT
     )
-    with finish_together():
-        fn(rank, world_size, *args)
-    exit_process(0)  # done and flushed: skip the teardown that can abort (see runtime)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            value = fn(rank, world_size, *args)
+            dist.barrier()  # finish together: no rank tears down what a peer still uses
+            _reset_between_tasks()
+            results.put((rank, True, value))
+        except BaseException:  # noqa: BLE001 - report everything, the pool is discarded
+            results.put((rank, False, traceback.format_exc()))
+            break
+    # A finished rank skips interpreter teardown (see ulysses_dtensor.runtime.exit_process).
+    from ulysses_dtensor.runtime import exit_process
+
+    exit_process(0)
 
 
-def run_ranks(world_size: int, fn, *args) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+class _Pool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tmp = tempfile.mkdtemp(prefix=f"ranks{world_size}-")
+        self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, os.path.join(self.tmp, "store"), self.tasks[r], self.results),
+                name=f"rank{r}of{world_size}",
+            )
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
 
-    ``fn`` must be a module-level function (it is pickled by reference).
+    def run(self, fn, args, timeout: float) -> list:
+        for q in self.tasks:
+            q.put((fn, args))
+        values: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) < self.world_size:
+            try:
+                rank, ok, payload = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.name for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise RankFailure(f"{fn.__name__}: rank process(es) {dead} died without a report")
+                if time.monotonic() > deadline:
+                    raise RankFailure(f"{fn.__name__}: no result after {timeout:.0f} s (hang?)")
+                continue
+            if not ok:
+                raise RankFailure(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{payload}")
+            values[rank] = payload
+        return [values[r] for r in range(self.world_size)]
+
+    def close(self, graceful: bool) -> None:
+        if graceful:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close(graceful=True)
+    _POOLS.clear()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = TASK_TIMEOUT_S) -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return
+    the per-rank return values (index = rank).
+
+    ``fn`` must be a module-level function (it is pickled by reference), and
+    ``args`` and return values picklable.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        mp.start_processes(
-            _entry,
-            args=(world_size, store, fn, args),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        return pool.run(fn, args, timeout)
+    except BaseException:
+        _POOLS.pop(world_size, None)
+        pool.close(graceful=False)
+        raise
