@@ -17,6 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .attention import document_ids_from_position_ids
 from .loss import IGNORE_INDEX
+from .mesh import divisors, ring_degree
+from .ring import layout_indices, seq_multiple
 
 
 def shift_labels(labels: Tensor, document_ids: Tensor | None, ignore_index: int = IGNORE_INDEX) -> Tensor:
@@ -35,6 +37,7 @@ def shard_batch(
     *,
     sp_rank: int | None = None,
     sp_size: int | None = None,
+    ring: int | None = None,
     pad_token_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
     pad: bool = True,
@@ -47,13 +50,17 @@ def shard_batch(
             optional ``position_ids`` (B, S) that restart at 0 at each packed
             document.
         sp_mesh: the 1-D sp mesh; or give ``sp_rank`` and ``sp_size``.
-        pad: pad S up to a multiple of sp (pad labels ignored). With
-            ``pad=False`` an S not divisible by sp is an error.
+        ring: ring-attention degree inside sp (``sp = ring x ulysses``); > 1
+            lays the sequence out for the ring before slicing. None: the ring
+            degree of ``sp_mesh`` (``ParallelMesh.sp`` carries it), else 1.
+        pad: pad S up to a multiple of sp (of lcm(sp, 2*ring) with a ring;
+            pad labels ignored). With ``pad=False`` another S is an error.
 
     Returns ``input_ids``, ``labels`` (shifted), ``position_ids`` (global
     positions) for this rank's ``S_pad / sp`` tokens, and ``document_ids``
-    (B, S_pad) for the whole sequence, or ``None`` when every row is a single
-    document (plain causal attention then needs no mask).
+    (B, S_pad) for the whole sequence (in ring layout order when ring > 1),
+    or ``None`` when every row is a single document (plain causal attention
+    then needs no mask).
     """
     if sp_mesh is not None:
         sp_rank, sp_size = sp_mesh.get_local_rank(), sp_mesh.size()
@@ -61,6 +68,9 @@ def shard_batch(
     sp_size = 1 if sp_size is None else sp_size
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} must be in [0, sp_size={sp_size})")
+    ring = ring_degree(sp_mesh) if ring is None else ring
+    if not isinstance(ring, int) or ring < 1 or sp_size % ring:
+        raise ValueError(f"ring={ring!r} must divide sp={sp_size}; valid: {divisors(sp_size)}")
 
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
@@ -86,12 +96,14 @@ def shard_batch(
         position_ids = torch.arange(seq, device=input_ids.device).expand(bsz, seq)
     labels = shift_labels(labels, document_ids, ignore_index)
 
-    padded = -(-seq // sp_size) * sp_size
+    unit = seq_multiple(sp_size, ring)
+    padded = -(-seq // unit) * unit
     if padded != seq:
         if not pad:
+            what = f"sp={sp_size}" if ring == 1 else f"lcm(sp={sp_size}, 2*ring={2 * ring})"
             raise ValueError(
-                f"sequence length {seq} is not divisible by sp={sp_size}; pad to "
-                f"{padded} (pad=True) or use a length that is a multiple of {sp_size}"
+                f"sequence length {seq} is not divisible by {what}; pad to "
+                f"{padded} (pad=True) or use a length that is a multiple of {unit}"
             )
         extra = padded - seq
         input_ids = _pad(input_ids, extra, pad_token_id)
@@ -104,6 +116,12 @@ def shard_batch(
             document_ids = torch.cat(
                 [document_ids, (document_ids[:, -1:] + 1).expand(bsz, extra)], dim=1
             )
+
+    if ring > 1:
+        idx = layout_indices(padded, ring, input_ids.device)
+        input_ids, labels, position_ids = input_ids[:, idx], labels[:, idx], position_ids[:, idx]
+        if document_ids is not None:
+            document_ids = document_ids[:, idx]
 
     local = padded // sp_size
     sl = slice(sp_rank * local, (sp_rank + 1) * local)

@@ -2,7 +2,10 @@
 
 A TorchDispatchMode sees every functional collective (forward and the ones
 autograd issues in backward) with its real input tensor, so counts and byte
-totals come from what actually ran, not from a formula.
+totals come from what actually ran, not from a formula. Point-to-point
+transfers are seen when they go through a functional ``all_to_all_single``
+with uneven splits (what ring attention does): the bytes sent are those of
+every split but this rank's own.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch._ops import HigherOrderOperator
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,11 +27,17 @@ class CollectiveRecord:
     op: str
     input_bytes: int
     group_size: int
+    # all_to_all_single: bytes of the chunk this rank keeps (its own split).
+    # Ring attention's point-to-point transfers are all-to-alls whose splits
+    # are all zero but the next rank's, so they keep nothing.
+    kept_bytes: int | None = None
 
     @property
     def sent_bytes(self) -> int:
         """Bytes that leave this rank (the chunk kept locally by an all-to-all is free)."""
         if self.op == "all_to_all_single":
+            if self.kept_bytes is not None:
+                return self.input_bytes - self.kept_bytes
             return self.input_bytes * (self.group_size - 1) // self.group_size
         return self.input_bytes
 
@@ -62,7 +72,8 @@ class CollectiveCounter(TorchDispatchMode):
                 tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
                 group = _as_group(kwargs.get("group_name", args[-1]))
-                self.records.append(CollectiveRecord(name, nbytes, group.size()))
+                kept = _kept_bytes(name, tensor, args, group) if name == "all_to_all_single" else None
+                self.records.append(CollectiveRecord(name, nbytes, group.size(), kept))
         return func(*args, **kwargs)
 
     def counts(self) -> dict[str, int]:
@@ -73,6 +84,16 @@ class CollectiveCounter(TorchDispatchMode):
 
     def input_bytes(self, op: str | None = None) -> int:
         return sum(r.input_bytes for r in self.records if op is None or r.op == op)
+
+
+def _kept_bytes(name, tensor, args, group) -> int | None:
+    """Bytes of this rank's own split of an all_to_all_single (None: even splits)."""
+    splits = args[2] if len(args) > 2 else None
+    if not splits or tensor.shape[0] == 0:
+        return None
+    rank = dist.get_rank(group)
+    row_bytes = tensor.numel() * tensor.element_size() // tensor.shape[0]
+    return int(splits[rank]) * row_bytes
 
 
 def _as_group(group):

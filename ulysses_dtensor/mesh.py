@@ -1,9 +1,15 @@
-"""Parallel degrees and the 3-D device mesh ``(dp_replicate, dp_shard, sp)``.
+"""Parallel degrees and the device mesh ``(dp_replicate, dp_shard, sp)``.
 
 The ``sp`` ranks of one group hold the same sample and the same parameters, so
 parameters are sharded by FSDP2 over the flattened ``dp_shard x sp`` mesh and
 replicated over ``dp_replicate``. Data is loaded per ``dp_replicate x dp_shard``
 rank, and the loss (a token count) is reduced over every rank.
+
+With ring attention (``ring > 1``, USP) the sp dim is split in two,
+``sp = ring x ulysses``, and the mesh is 4-D ``(dp_replicate, dp_shard, ring,
+ulysses)``: ulysses innermost, so a Ulysses group is consecutive ranks (the GPUs
+of one node) and the ring runs across groups. ``sp`` is then the flattened
+``ring x ulysses`` view; everything that used the sp dim uses it unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "sp")
+USP_MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "ring", "ulysses")
+# Set on the flattened sp mesh of a USP ParallelMesh: shard_batch and the model
+# read the ring degree (and so the sequence layout) from the mesh they are given.
+_RING_ATTR = "_ulysses_dtensor_ring"
 
 
 @dataclass
@@ -22,12 +32,15 @@ class ParallelDims:
 
     ``dp_shard=-1`` takes whatever the world size leaves after ``dp_replicate``
     and ``sp``. ``world_size`` defaults to the initialised process group's.
+    ``ring`` splits sp into ``ring x ulysses`` (ring attention across the
+    Ulysses groups); ``ring=1`` is plain Ulysses.
     """
 
     dp_replicate: int = 1
     dp_shard: int = -1
     sp: int = 1
     world_size: int | None = None
+    ring: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size is None:
@@ -39,7 +52,7 @@ class ParallelDims:
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("dp_replicate", "sp"):
+        for name in ("dp_replicate", "sp", "ring"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallelism.{name}={value!r} must be an integer >= 1")
@@ -47,6 +60,11 @@ class ParallelDims:
             raise ValueError(
                 f"parallelism.dp_shard={self.dp_shard!r} must be an integer >= 1, "
                 "or -1 for what the world size leaves"
+            )
+        if self.sp % self.ring:
+            raise ValueError(
+                f"parallelism.ring={self.ring} must divide parallelism.sp={self.sp} "
+                f"(sp = ring x ulysses); valid ring for sp={self.sp}: {divisors(self.sp)}"
             )
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be >= 1")
@@ -83,30 +101,53 @@ class ParallelDims:
     def sp_enabled(self) -> bool:
         return self.sp > 1
 
+    @property
+    def ulysses(self) -> int:
+        """The all-to-all degree inside sp (sp / ring)."""
+        return self.sp // self.ring
+
     def build_mesh(self, device_type: str) -> "ParallelMesh":
-        """Build the 3-D mesh (size-1 dims kept) and its flattened sub-meshes."""
-        mesh = init_device_mesh(
-            device_type,
-            (self.dp_replicate, self.dp_shard, self.sp),
-            mesh_dim_names=MESH_DIM_NAMES,
-        )
-        return ParallelMesh(self, mesh)
+        """Build the mesh (size-1 dims kept) and its flattened sub-meshes.
+
+        3-D ``(dp_replicate, dp_shard, sp)`` when ``ring == 1``, else 4-D
+        ``(dp_replicate, dp_shard, ring, ulysses)``.
+        """
+        if self.ring == 1:
+            shape, names = (self.dp_replicate, self.dp_shard, self.sp), MESH_DIM_NAMES
+        else:
+            shape = (self.dp_replicate, self.dp_shard, self.ring, self.ulysses)
+            names = USP_MESH_DIM_NAMES
+        return ParallelMesh(self, init_device_mesh(device_type, shape, mesh_dim_names=names))
 
 
 class ParallelMesh:
-    """The 3-D mesh plus the flattened views the rest of the system uses.
+    """The mesh plus the flattened views the rest of the system uses.
 
     Every view is built here, up front: flattening creates process groups,
     which is collective, so building one lazily on a code path that only some
     ranks take (rank-0 logging, say) would hang the job.
+
+    ``sp`` is the whole sequence-parallel group; with ``ring > 1`` also
+    ``ring`` (ring attention) and ``ulysses`` (the all-to-all), else ``ring``
+    is None and ``ulysses`` is ``sp``.
     """
 
     def __init__(self, dims: ParallelDims, mesh: DeviceMesh):
         self.dims = dims
         self.mesh = mesh
-        self.sp: DeviceMesh = mesh["sp"]
+        if dims.ring == 1:
+            self.sp: DeviceMesh = mesh["sp"]
+            self.ring: DeviceMesh | None = None
+            self.ulysses: DeviceMesh = self.sp
+            seq_dims: tuple[str, ...] = ("sp",)
+        else:
+            seq_dims = ("ring", "ulysses")
+            self.sp = mesh[seq_dims]._flatten("sp")
+            setattr(self.sp, _RING_ATTR, dims.ring)
+            self.ring = mesh["ring"]
+            self.ulysses = mesh["ulysses"]
         # Parameters are sharded over dp_shard x sp (sp ranks hold the same ones).
-        self.fsdp: DeviceMesh = mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+        self.fsdp: DeviceMesh = mesh[("dp_shard", *seq_dims)]._flatten("dp_shard_sp")
         # HSDP: replicate over dp_replicate, shard over dp_shard x sp.
         self.hsdp: DeviceMesh = DeviceMesh._concatenate([mesh["dp_replicate"], self.fsdp])
         # Data-loading ranks: each reads its own samples.
@@ -130,6 +171,11 @@ class ParallelMesh:
     @property
     def sp_rank(self) -> int:
         return self.sp.get_local_rank()
+
+
+def ring_degree(sp_mesh: DeviceMesh | None) -> int:
+    """The ring degree of an sp mesh from :class:`ParallelMesh` (1 for any other mesh)."""
+    return getattr(sp_mesh, _RING_ATTR, 1) if sp_mesh is not None else 1
 
 
 def divisors(n: int) -> list[int]:

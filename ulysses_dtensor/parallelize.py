@@ -5,6 +5,8 @@ Order, per transformer block, and why:
 1. **Ulysses** on ``block.attention.inner`` (the sp mesh): it only registers
    forward hooks on a parameter-free module, so it must be in place before
    the block is compiled, for the compiled graph to contain the all-to-alls.
+   With ``ring > 1`` (USP) the inner module is first replaced by ring
+   attention over the ring mesh, and Ulysses runs over the ulysses mesh.
 2. **Activation checkpointing** wraps the block, so that compile (next) sees
    the checkpoint region and the recompute policy goes into the graph.
 3. **torch.compile** (``fullgraph=True``) wraps the checkpointed block. The
@@ -42,6 +44,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from .mesh import ParallelMesh
 from .offload import HostOffloader, OffloadedCheckpointBlock
+from .ring import RingAttention
 from .suggest import unknown_name
 from .ulysses import UlyssesAttention, kv_replication
 
@@ -122,13 +125,17 @@ def parallelize_llama(
             f"full checkpointing keeps), got ac_mode={ac_mode!r}"
         )
 
-    sp = pmesh.dims.sp
-    if sp > 1:
+    dims = pmesh.dims
+    if dims.sp > 1:
         args = getattr(model, "args", None)
         if args is not None:
-            kv_replication(args.n_heads, args.n_kv_heads, sp)  # clear error before any change
+            kv_replication(args.n_heads, args.n_kv_heads, dims.ulysses)  # clear error before any change
         for block in layers.values():
-            parallelize_module(block.attention.inner, pmesh.sp, UlyssesAttention(pack_qkv=pack_qkv))
+            attn = block.attention
+            if dims.ring > 1:
+                # Ring first: the Ulysses hooks go on the module that stays.
+                attn.inner = parallelize_module(attn.inner, pmesh.ring, RingAttention())
+            parallelize_module(attn.inner, pmesh.ulysses, UlyssesAttention(pack_qkv=pack_qkv))
         model.sp_mesh = pmesh.sp
 
     _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks)

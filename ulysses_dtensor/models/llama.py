@@ -33,6 +33,8 @@ from torch import Tensor, nn
 
 from ..attention import LocalAttention, check_backend
 from ..loss import sp_cross_entropy
+from ..mesh import ring_degree
+from ..ring import layout_position_ids
 from ..suggest import unknown_name
 from .norm import RMSNorm
 from ..tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
@@ -295,10 +297,12 @@ class Llama(nn.Module):
 
     def _default_position_ids(self, input_ids: Tensor) -> Tensor:
         b, s = input_ids.shape
-        offset = 0
-        if self.sp_mesh is not None:
-            offset = self.sp_mesh.get_local_rank() * s
-        return (torch.arange(s, device=input_ids.device) + offset).expand(b, s)
+        if self.sp_mesh is None:
+            return torch.arange(s, device=input_ids.device).expand(b, s)
+        # This rank's global positions (the ring's layout when sp has a ring).
+        mesh = self.sp_mesh
+        pos = layout_position_ids(s, mesh.get_local_rank(), mesh.size(), ring_degree(mesh), input_ids.device)
+        return pos.expand(b, s)
 
     def hidden_states(
         self,

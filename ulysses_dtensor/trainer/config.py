@@ -12,7 +12,8 @@ model exists:
 * :func:`parse_config` / :func:`load_config` check names, types and choices;
 * :func:`validate_config` checks the config against the world size, the model
   flavor and the data: mesh degrees, every stage's sequence length and batch
-  size, heads versus sp, data and tokenizer files.
+  size, heads versus sp (versus ulysses = sp / ring with ring attention), data
+  and tokenizer files.
 
 Every problem raises one :class:`ConfigError` whose message names the key and
 what would be valid.
@@ -118,7 +119,10 @@ class Training:
 class Parallelism:
     dp_replicate: int = _f(1, "data-parallel replicas (HSDP outer dim)")
     dp_shard: int = _f(-1, "FSDP2 data-parallel shards (-1: what the world size leaves)")
-    sp: int = _f(1, "Ulysses sequence-parallel degree")
+    sp: int = _f(1, "sequence-parallel degree (ranks that share one sequence)")
+    ring: int = _f(1, "ring-attention degree inside sp: sp = ring x ulysses, the Ulysses "
+                      "all-to-all within groups of sp/ring consecutive ranks (a node), the ring "
+                      "across them (1: Ulysses only)")
 
 
 @dataclass
@@ -506,6 +510,7 @@ def _check_values(cfg: JobConfig) -> None:
     positive("metrics.log_freq", cfg.metrics.log_freq)
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, 0)
     positive("model.vocab_multiple_of", cfg.model.vocab_multiple_of)
+    positive("parallelism.ring", cfg.parallelism.ring)
     if not 0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_ratio={cfg.lr_scheduler.min_lr_ratio} must be in [0, 1]")
     if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
@@ -550,7 +555,7 @@ def validate_config(cfg: JobConfig, world_size: int):
 
     par = cfg.parallelism
     try:
-        dims = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size)
+        dims = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring)
     except ValueError as e:
         raise ConfigError(f"parallelism: {e}") from None
 
@@ -558,18 +563,46 @@ def validate_config(cfg: JobConfig, world_size: int):
         cfg.context_schedule().validate(sp=dims.sp, dp=dims.dp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_ring(cfg, dims)
 
     _check_data(cfg)
     args = model_args(cfg, vocab_size=cfg.model.vocab_size or 256)
     from ..ulysses import kv_replication
 
     try:
-        kv_replication(args.n_heads, args.n_kv_heads or args.n_heads, dims.sp)
+        kv_replication(args.n_heads, args.n_kv_heads or args.n_heads, dims.ulysses)
     except ValueError as e:
-        raise ConfigError(
-            f"model.flavor={cfg.model.flavor!r} with parallelism.sp={dims.sp}: {e}"
-        ) from None
+        if dims.ring == 1:
+            where = f"parallelism.sp={dims.sp}"
+            hint = "; parallelism.ring > 1 splits sp into ring x ulysses, and only ulysses must suit the heads"
+        else:
+            where = f"ulysses = parallelism.sp / parallelism.ring = {dims.sp} / {dims.ring} = {dims.ulysses}"
+            hint = " (here sp stands for the ulysses degree)"
+        raise ConfigError(f"model.flavor={cfg.model.flavor!r} with {where}: {e}{hint}") from None
     return dims
+
+
+def _check_ring(cfg: JobConfig, dims) -> None:
+    """Ring attention: sequence lengths its layout can split, a backend it can run."""
+    if dims.ring == 1:
+        return
+    from ..ring import RING_BACKENDS, seq_multiple
+
+    unit = seq_multiple(dims.sp, dims.ring)
+    for i, st in enumerate(cfg.stages()):
+        if st.seq_len % unit:
+            raise ConfigError(
+                f"seq_len={st.seq_len} (context stage {i}, from step {st.start_step}) must be a "
+                f"multiple of lcm(sp={dims.sp}, 2*ring={2 * dims.ring}) = {unit} with "
+                f"parallelism.ring={dims.ring}: the ring's load-balanced layout cuts each sequence "
+                f"into 2*ring chunks (e.g. {max(unit, st.seq_len // unit * unit)})"
+            )
+    if cfg.model.attn_backend not in RING_BACKENDS:
+        raise ConfigError(
+            f"model.attn_backend={cfg.model.attn_backend!r} cannot run inside ring attention "
+            f"(parallelism.ring={dims.ring}): the ring merges blocks by the log-sum-exp of SDPA's "
+            f"kernels; valid: {', '.join(RING_BACKENDS)}"
+        )
 
 
 def model_args(cfg: JobConfig, vocab_size: int):

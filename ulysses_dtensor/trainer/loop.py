@@ -188,7 +188,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
     _print0(
         f"{cfg.job.description or 'ulysses_dtensor training'}\n"
         f"  world {world} on {device.type}: dp_replicate={dims.dp_replicate} "
-        f"dp_shard={dims.dp_shard} sp={dims.sp}\n"
+        f"dp_shard={dims.dp_shard} sp={dims.sp}"
+        f"{f' (ring {dims.ring} x ulysses {dims.ulysses})' if dims.ring > 1 else ''}\n"
         f"  model {cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
         f"  data {cfg.data.path or 'built-in stdlib corpus'}: {len(source)} documents; "
