@@ -51,13 +51,20 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     _setup_step "installing $TORCH_PIN into $PREFIX" "$PY" -m pip install -q "$TORCH_PIN"
 fi
 
+# One line per install: "<cksum of pyproject.toml> <root> extras=<extras>". The
+# base package is satisfied by any install of this pyproject (extras add to it).
 stamp="$PREFIX/ulysses-dtensor-setup.stamp"
-want="$(cksum <"$ROOT/pyproject.toml") extras=$EXTRAS root=$ROOT"
+key="$(cksum <"$ROOT/pyproject.toml" | cut -d' ' -f1) $ROOT"
 extras="${EXTRAS:+[$EXTRAS]}"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import ulysses_dtensor" >/dev/null 2>&1; then
+if [ -n "$EXTRAS" ]; then
+    grep -qxF "$key extras=$EXTRAS" "$stamp" 2>/dev/null && installed=1 || installed=0
+else
+    grep -qF "$key extras=" "$stamp" 2>/dev/null && installed=1 || installed=0
+fi
+if [ "$installed" = 0 ] || ! "$PY" -c "import ulysses_dtensor" >/dev/null 2>&1; then
     # torch is already there and satisfies torch>=2.11: pip keeps that build.
     _setup_step "installing ulysses-dtensor$extras and its dependencies into $PREFIX" \
         "$PY" -m pip install -q -e "$ROOT$extras"
-    echo "$want" >"$stamp" 2>/dev/null || true
+    echo "$key extras=$EXTRAS" >>"$stamp" 2>/dev/null || true
 fi
 export PY ROOT

@@ -163,16 +163,12 @@ def test_missing_files_and_unknown_flavor(tmp_path):
     one_error(load_config, ["--config", str(tmp_path / "missing.toml")], match="no such file")
 
 
-def test_tokenizers_extra_message(tmp_path):
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        tok = tmp_path / "tokenizer.json"
-        tok.write_text("{}")
-        c = parse_config({"data": {"tokenizer": str(tok)}})
-        one_error(validate_config, c, 1, match=r"pip install 'ulysses-dtensor\[tokenizers\]'")
-    else:
-        pytest.skip("tokenizers is installed")
+def test_tokenizers_extra_message(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    c = parse_config({"data": {"tokenizer": str(tok)}})
+    one_error(validate_config, c, 1, match=r"pip install 'ulysses-dtensor\[tokenizers\]'")
 
 
 def test_shipped_configs_parse():
@@ -182,26 +178,46 @@ def test_shipped_configs_parse():
         validate_config(c, n)
 
 
-@pytest.mark.parametrize("args, match", [
+BAD_CLI = [
     (["--parallelism.sp", "3"], "world_size=1 is not divisible"),
     (["--training.seq_len", "100", "--parallelism.sp", "1", "--data.path", "/no/such/file.txt"],
      "does not exist"),
     (["--trainng.steps", "2"], "did you mean 'training'"),
-])
-def test_bad_config_cli_exits_before_work(tmp_path, args, match):
-    dump = tmp_path / "dump"
+]
+
+
+def _bad_cli_argv(tmp_path, args):
+    return ["--config", str(REPO / "train_configs" / "debug_model.toml"),
+            "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.enable", "true", *args]
+
+
+@pytest.mark.parametrize("args, match", BAD_CLI)
+def test_bad_config_exits_before_work(tmp_path, capsys, monkeypatch, args, match):
+    """The trainer's entry point: exit status 2, one line on stderr, nothing created."""
+    from ulysses_dtensor.train import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(_bad_cli_argv(tmp_path, args))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+    assert err.count("config error:") == 1 and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_config_cli_process_exits_before_work(tmp_path):
+    """The same through a real `python -m ulysses_dtensor.train` process."""
+    args, match = BAD_CLI[0]
     proc = subprocess.run(
-        [sys.executable, "-m", "ulysses_dtensor.train",
-         "--config", str(REPO / "train_configs" / "debug_model.toml"),
-         "--job.dump_folder", str(dump), "--checkpoint.enable", "true", *args],
+        [sys.executable, "-m", "ulysses_dtensor.train", *_bad_cli_argv(tmp_path, args)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 2, proc.stderr
-    assert match in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert match in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("config error:") == 1
-    assert not dump.exists() and list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_memory_section_parses_and_offload_needs_full_ac():
