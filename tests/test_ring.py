@@ -132,15 +132,17 @@ def _trainer_worker(rank: int, world: int, tmp: str) -> list:
     from ulysses_dtensor.trainer.config import parse_config
     from ulysses_dtensor.trainer.loop import train as run_training
 
-    meshes = [(4, 1, 1), (1, 4, 2), (2, 2, 2)]  # (dp_shard, sp, ring): no sp; ring 2 x ulysses 2; dp 2 x ring 2
+    # (dp_shard, sp, ring, activation checkpointing): no sp; ring 2 x ulysses 2; dp 2 x ring 2
+    meshes = [(4, 1, 1, "none"), (1, 4, 2, "none"), (2, 2, 2, "full")]
     losses = []
-    for dp_shard, sp, ring in meshes:
+    for dp_shard, sp, ring, ac in meshes:
         cfg = parse_config({
             "job": {"dump_folder": os.path.join(tmp, f"run-{dp_shard}-{sp}-{ring}"), "seed": 3},
             "model": {"flavor": "debug_gqa", "attn_backend": "sdpa"},
             "training": {"steps": 2, "global_batch_size": 4, "seq_len": 64},
             "parallelism": {"dp_shard": dp_shard, "sp": sp, "ring": ring},
             "data": {"path": os.path.join(tmp, "corpus.jsonl")},
+            "activation_checkpoint": {"mode": ac},
             "metrics": {"progress_bar": False, "log_freq": 100},
         })
         rows = run_training(cfg)

@@ -260,7 +260,12 @@ class _RingAttentionFn(torch.autograd.Function):
         s = q.shape[2]
         merger = _SDPAMerger(q.dtype != torch.float64, seq_dim=2)  # fp32 merge, fp64 kept
         states = []
-        kv = torch.cat([k.reshape(-1), v.reshape(-1)])
+        # The block that travels: k and v packed in one buffer (one copy of each).
+        kv = k.new_empty(2 * k.numel())
+        k_own, v_own = _split_kv(kv, k.shape)
+        k_own.copy_(k)
+        v_own.copy_(v)
+        own = kv
         for i in range(size):
             nxt = None
             if i < size - 1:
@@ -284,20 +289,20 @@ class _RingAttentionFn(torch.autograd.Function):
             if nxt is not None:
                 kv = _wait(nxt)
         out, lse = merger.results()
-        ctx.save_for_backward(q, k, v, out, lse, seg)
+        ctx.save_for_backward(q, own, out, lse, seg)
+        ctx.kv_shape = k.shape
         ctx.states = states
         ctx.args = (group, rank, size, causal, scale, overlap)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, seg = ctx.saved_tensors
+        q, kv, out, lse, seg = ctx.saved_tensors
         group, rank, size, causal, scale, overlap = ctx.args
+        kv_shape = ctx.kv_shape
         s = q.shape[2]
-        dout = dout.contiguous()
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        kv = torch.cat([k.reshape(-1), v.reshape(-1)])
         dkv = None  # the block's fp32 dk/dv accumulator, passed on with it
         for i in range(size):
             nxt = None
@@ -307,7 +312,7 @@ class _RingAttentionFn(torch.autograd.Function):
                     nxt = _wait(nxt)
             src = (rank - i) % size
             step = _Step(i, rank, src, causal, s)
-            kb, vb = _split_kv(kv, k.shape)
+            kb, vb = _split_kv(kv, kv_shape)
             mask, _ = _block_mask(seg, rank, src, step, s, q.dtype)
             qs, ks = step.q, step.k
             dq_b, dk_b, dv_b = _block_backward(
@@ -317,7 +322,7 @@ class _RingAttentionFn(torch.autograd.Function):
             dq[:, :, qs] += dq_b
             # The accumulator of the block held now, from the ranks that held it before.
             acc = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device) if i == 0 else _wait(dkv)
-            dk_acc, dv_acc = _split_kv(acc, k.shape)
+            dk_acc, dv_acc = _split_kv(acc, kv_shape)
             dk_acc[:, :, ks] += dk_b
             dv_acc[:, :, ks] += dv_b
             del dq_b, dk_b, dv_b, mask
@@ -326,9 +331,9 @@ class _RingAttentionFn(torch.autograd.Function):
                 dkv = _wait(dkv)
             if nxt is not None:
                 kv = _wait(nxt)
-        dk, dv = _split_kv(_wait(dkv), k.shape)
+        dk, dv = _split_kv(_wait(dkv), kv_shape)
         ctx.states = None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -371,8 +376,8 @@ def ring_attention(
         seg = _cached_for("ring_segments", document_ids, (size,), lambda: _ring_segment_ids(document_ids, size))
     out = _RingAttentionFn.apply(
         q.transpose(1, 2),
-        k.transpose(1, 2).contiguous(),
-        v.transpose(1, 2).contiguous(),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
         seg,
         mesh.get_group(),
         mesh.get_local_rank(),

@@ -29,6 +29,7 @@ KIND_LABELS = {
     "norm": "RMSNorm (float32 upcasts)",
     "attn_proj": "attention projections + rope (q, k, v, o)",
     "a2a": "Ulysses all-to-all buffers (+ packing copies)",
+    "ring": "ring attention: k/v blocks in flight, fp32 merge, dq/dk/dv accumulators",
     "attention": "attention kernel (out, logsumexp, dq/dk/dv)",
     "embedding": "embedding",
     "block": "in a block, no sub-module (mostly backward temps)",

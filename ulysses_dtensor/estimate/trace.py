@@ -121,7 +121,7 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
             tracker = _make_tracker_cls()(
                 model,
                 optimizer,
-                classify=_classifier(vocab, args.ffn_dim, args.dim),
+                classify=_classifier(vocab, args.ffn_dim, args.dim, ring=dims.ring > 1),
                 device=torch.device("cpu"),
                 gpu_workspace=device == "cuda",
                 host_state=host_state,

@@ -188,12 +188,14 @@ _MODULE_KINDS = {
 }
 
 
-def _classifier(vocab: int, ffn: int, dim: int):
+def _classifier(vocab: int, ffn: int, dim: int, ring: bool = False):
     """(op, output tensor, active module FQNs) -> kind of the tensor, for the by-kind view.
 
     The attention kernel and the all-to-all are recognised by op; everything
     else by the innermost active module of the model (forward, recompute, or
-    the backward of that module); outside any module by shape.
+    the backward of that module); outside any module by shape. With ring
+    attention (``ring``) the attention's inner module is the ring, and its
+    transfers are the flat (1-D) all-to-all buffers.
     """
 
     def classify(func, t: torch.Tensor, parents) -> str:
@@ -201,7 +203,7 @@ def _classifier(vocab: int, ffn: int, dim: int):
         if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
             return "attention"
         if "all_to_all" in name:
-            return "a2a"
+            return "ring" if ring and t.dim() == 1 else "a2a"
         best, depth = None, -1
         for fqn in parents:
             d = fqn.count(".")
@@ -212,7 +214,7 @@ def _classifier(vocab: int, ffn: int, dim: int):
             for part in reversed(parts):
                 kind = _MODULE_KINDS.get(part)
                 if kind is not None:
-                    return kind
+                    return "ring" if ring and kind == "a2a" else kind
             if "layers" in parts:
                 return "block"
         if t.dim() >= 2 and not (t.dim() == 2 and t.shape[0] == dim):
