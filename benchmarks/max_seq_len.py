@@ -13,6 +13,8 @@ then the CUDA context, NCCL buffers and caching-allocator fragmentation.
     python benchmarks/max_seq_len.py                      # the full table (~30-60 min on 2 cores)
     python benchmarks/max_seq_len.py --models llama3_8b --gpus 8 --features baseline all
     python benchmarks/max_seq_len.py --quick              # smoke run: debug model on 2 GPUs, seconds
+    python benchmarks/max_seq_len.py --models llama3_8b --gpus 64 128 --ulysses 8 --features all+offload_params
+                                                          # USP: Ulysses inside 8-GPU nodes, ring across them
 
 One JSON object per (model, GPUs, features) on stdout; a markdown table on
 stderr at the end (and in --table FILE); a PNG of planned peak vs sequence
@@ -63,20 +65,28 @@ ALST = {"llama3_8b": {1: 500_000, 8: 3_700_000, 32: 15_000_000}}
 VOCAB = 128256
 
 
-def layout(flavor: str, gpus: int) -> tuple[int, int]:
-    """(sp, dp_shard): the largest sp the heads allow on ``gpus`` GPUs."""
+def layout(flavor: str, gpus: int, ulysses: int = 0) -> tuple[int, int, int]:
+    """(sp, dp_shard, ring) on ``gpus`` GPUs.
+
+    Ulysses only (``ulysses=0``): the largest sp the heads allow, ring 1.
+    USP (``ulysses=N``): every GPU in sp, Ulysses over N (a node), ring = gpus / N.
+    """
     a = FLAVORS[flavor]
+    if ulysses:
+        if gpus % ulysses:
+            raise SystemExit(f"--ulysses {ulysses} must divide the GPU count {gpus}")
+        return gpus, 1, gpus // ulysses
     best = 1
     for sp in range(1, gpus + 1):
         if gpus % sp or a.n_heads % sp:
             continue
         if a.n_kv_heads % sp == 0 or sp % a.n_kv_heads == 0:
             best = sp
-    return best, gpus // best
+    return best, gpus // best, 1
 
 
-def make_config(flavor: str, gpus: int, features: str, quick: bool = False):
-    sp, dp_shard = layout(flavor, gpus)
+def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0):
+    sp, dp_shard, ring = layout(flavor, gpus, ulysses)
     argv = [
         "--model.flavor", flavor,
         "--model.attn_backend", "sdpa",
@@ -86,15 +96,19 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False):
         "--activation_checkpoint.mode", "full",
         "--parallelism.sp", str(sp),
         "--parallelism.dp_shard", str(dp_shard),
+        "--parallelism.ring", str(ring),
     ]
     if quick:
-        # A dim-64 model would get hundreds of automatic tiles: keep the smoke run quick.
-        argv += ["--memory.mlp_tiles", "4", "--memory.loss_chunks", "4"]
+        # A dim-64 model would get hundreds of automatic tiles: keep the smoke run quick
+        # (tile counts only where tiling is on: elsewhere they would have no effect).
+        on = FEATURES[features]
+        argv += ["--memory.mlp_tiles", "4"] if on.get("tiled_mlp") else []
+        argv += ["--memory.loss_chunks", "4"] if on.get("tiled_loss") else []
     else:
         argv += ["--model.vocab_size", str(VOCAB)]
     for key, value in FEATURES[features].items():
         argv += [f"--memory.{key}", "true" if value is True else str(value)]
-    return load_config(argv), sp, dp_shard
+    return load_config(argv), sp, dp_shard, ring
 
 
 def fmt_tokens(n: int) -> str:
@@ -115,8 +129,9 @@ def stamp() -> dict:
 
 
 def run_one(flavor, gpus, features, ns, log) -> dict:
-    cfg, sp, dp_shard = make_config(flavor, gpus, features, ns.quick)
-    log(f"{flavor} on {gpus} GPU(s) (sp {sp} x dp_shard {dp_shard}), {features}:")
+    cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses)
+    usp = f" = ring {ring} x ulysses {sp // ring}" if ring > 1 else ""
+    log(f"{flavor} on {gpus} GPU(s) (sp {sp}{usp} x dp_shard {dp_shard}), {features}:")
     res = find_max_seq_len(
         cfg, gpus, budget_gib=ns.budget_gib, headroom_gib=ns.headroom_gib,
         granularity=ns.granularity, rows=1, device="cuda", layers=ns.layers,
@@ -131,6 +146,8 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
         "gpus": gpus,
         "sp": sp,
         "dp_shard": dp_shard,
+        "ring": ring,
+        "ulysses": sp // ring,
         "features": features,
         "budget_gib": ns.budget_gib,
         "headroom_gib": ns.headroom_gib,
@@ -159,7 +176,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
 
 def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
     """Extrapolated (4/5/6-layer traces) vs full trace at one length."""
-    cfg, sp, dp_shard = make_config(flavor, gpus, features, ns.quick)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses)
     unit = ns.granularity * sp
     seq_len = max(unit, seq_len // unit * unit)
     full = plan_memory(cfg, gpus, seq_len, rows=1, layers="full")
@@ -181,7 +198,7 @@ def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
 def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
     """Planned peak at fixed lengths (for the memory-vs-length plot)."""
     out = []
-    cfg, sp, dp_shard = make_config(flavor, gpus, features, ns.quick)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses)
     for seq_len in lengths:
         unit = ns.granularity * sp
         seq_len = max(unit, seq_len // unit * unit)
@@ -210,12 +227,15 @@ def table(records: list[dict], ns) -> str:
         "| --- | --- | --- | " + " | ".join("---" for _ in feats) + " | --- |",
     ]
     for m in models:
-        for g in sorted({r["gpus"] for r in rows if r["model"] == m}):
-            cell = {r["features"]: r for r in rows if r["model"] == m and r["gpus"] == g}
+        # One row per layout: Ulysses only and USP (ring > 1) side by side.
+        for g, ring in sorted({(r["gpus"], r.get("ring", 1)) for r in rows if r["model"] == m}):
+            cell = {r["features"]: r for r in rows
+                    if r["model"] == m and r["gpus"] == g and r.get("ring", 1) == ring}
             any_r = next(iter(cell.values()))
             alst = ALST.get(m, {}).get(g)
+            sp = f"{any_r['sp']} ({ring} ring x {any_r['sp'] // ring} ulysses)" if ring > 1 else any_r["sp"]
             out.append(
-                f"| {m} | {g} | {any_r['sp']} x {any_r['dp_shard']} | "
+                f"| {m} | {g} | {sp} x {any_r['dp_shard']} | "
                 + " | ".join(fmt_tokens(cell[f]["planned_max_seq_len"]) if f in cell else "-" for f in feats)
                 + f" | {fmt_tokens(alst) if alst else '-'} |"
             )
@@ -288,6 +308,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-gib", type=float, default=80.0)
     p.add_argument("--headroom-gib", type=float, default=6.0)
     p.add_argument("--granularity", type=int, default=1024, help="search step in tokens per sp rank")
+    p.add_argument("--ulysses", type=int, default=0, metavar="N",
+                   help="USP layout: every GPU in sp, Ulysses over N GPUs (a node), ring attention "
+                        "across the GPUs / N groups (0: Ulysses only, sp = the most the heads allow)")
     p.add_argument("--layers", choices=("auto", "full", "extrapolate"), default="auto")
     p.add_argument("--no-confirm", nargs="*", metavar="FEATURES", default=None,
                    help="keep extrapolated plans at the boundary (no full-trace re-plan), for these "

@@ -60,10 +60,6 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .attention import LocalAttention, _cached_for, _segment_ids, local_attention
 
-try:  # torch >= 2.9 keeps them here; the stub below re-exports only some names
-    from torch.distributed.tensor.experimental._context_parallel._attention import _SDPAMerger
-except ImportError:  # pragma: no cover - older torch
-    from torch.distributed.tensor.experimental._attention import _SDPAMerger
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
 __all__ = [
@@ -156,37 +152,44 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool, mask, scale, state):
 # while this was written: these two are exercised on meta tensors only.
 def _cuda_block_forward(q, k, v, causal, mask, scale):
     if mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale
         )
-        return out, lse, ("flash", cum_q, cum_k, max_q, max_k, seed, offset)
+        return out, lse, ("flash", cum_q, cum_k, seed, offset)
     # Memory-efficient kernel: any dtype, an additive bias for documents, no GQA.
-    rep = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(rep, dim=1) if rep > 1 else t for t in (k, v))
-    bias = _cuda_bias(mask, q.shape[1])
+    kr, vr = _repeat_heads(k, v, q.shape[1])
     out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
-        q, k, v, bias, True, 0.0, causal, scale=scale
+        q, kr, vr, _cuda_bias(mask, q.shape[1]), True, 0.0, causal, scale=scale
     )
-    return out, lse[..., : q.shape[2]], ("efficient", bias, seed, offset, rep)
+    return out, lse[..., : q.shape[2]], ("efficient", seed, offset)
 
 
 def _cuda_block_backward(dout, q, k, v, out, lse, causal, mask, scale, state):
+    # ``state`` comes from the step's forward call; without dropout the kernels
+    # read only its layout (dense batches), so it serves the sub-blocks too.
     if state[0] == "flash":
-        _, cum_q, cum_k, max_q, max_k, seed, offset = state
+        _, cum_q, cum_k, seed, offset = state
         return _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+            scale=scale,
         )
-    _, bias, seed, offset, rep = state
-    kr, vr = (t.repeat_interleave(rep, dim=1) if rep > 1 else t for t in (k, v))
-    pad = -lse.shape[-1] % 32  # the kernel's LSE rows are padded to 32
-    lse = torch.nn.functional.pad(lse, (0, pad))
+    _, seed, offset = state
+    kr, vr = _repeat_heads(k, v, q.shape[1])
+    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel pads LSE rows to 32
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, kr, vr, bias, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
+        dout, q, kr, vr, _cuda_bias(mask, q.shape[1]), out, lse, seed, offset, 0.0,
+        [True, True, True, False], causal, scale=scale,
     )
-    if rep > 1:
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # gradients of the repeated heads sum into their kv head
         b, h, s, d = dk.shape
         dk, dv = (t.view(b, h // rep, rep, s, d).sum(2) for t in (dk, dv))
     return dq, dk, dv
+
+
+def _repeat_heads(k, v, heads: int):
+    rep = heads // k.shape[1]
+    return (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
 
 
 def _cuda_bias(mask: Tensor | None, heads: int) -> Tensor | None:
@@ -205,32 +208,57 @@ def _cuda_bias(mask: Tensor | None, heads: int) -> Tensor | None:
 
 
 class _Step:
-    """Which part of the queries meets which part of the held k/v block, and how."""
+    """Which part of the queries meets which part of the held k/v block, and how (forward)."""
 
-    __slots__ = ("q", "k", "causal", "partial")
+    __slots__ = ("q", "k", "causal")
 
     def __init__(self, i: int, rank: int, src: int, causal: bool, s: int):
         full, head, tail = slice(0, s), slice(0, s // 2), slice(s // 2, s)
-        self.q, self.k, self.causal, self.partial = full, full, False, False
+        self.q, self.k, self.causal = full, full, False
         if i == 0:
             self.causal = causal  # own block: causal within [head, tail]
         elif causal and src < rank:
             self.k = head  # the earlier rank's head chunk precedes both of ours; its tail follows both
         elif causal:
-            self.q, self.partial = tail, True  # only our tail chunk comes after a later rank's block
+            self.q = tail  # only our tail chunk comes after a later rank's block
 
 
-def _block_mask(seg, rank, src, step: _Step, s: int, dtype):
+def _chunk_pairs(i: int, rank: int, src: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """The same work as :class:`_Step`, as (query chunk, key chunk, causal) pairs (0 head, 1 tail).
+
+    Backward runs one kernel per pair: a kernel's workspace (FlashAttention's
+    fp32 dq accumulator, GQA-expanded dk/dv) and its dq then cover half a block.
+    """
+    if not causal:
+        return [(a, b, False) for a in (0, 1) for b in (0, 1)]
+    if i == 0:
+        return [(0, 0, True), (1, 0, False), (1, 1, True)]
+    return [(0, 0, False), (1, 0, False)] if src < rank else [(1, 0, False), (1, 1, False)]
+
+
+def _block_mask(seg, rank, src, qs: slice, ks: slice, causal: bool, s: int, dtype):
     """Dense additive mask of one block pair (same document; causal on the diagonal) and its row coverage."""
     if seg is None:
         return None, None
-    q_ids = seg[:, rank * s : (rank + 1) * s][:, step.q]
-    k_ids = seg[:, src * s : (src + 1) * s][:, step.k]
+    q_ids = seg[:, rank * s : (rank + 1) * s][:, qs]
+    k_ids = seg[:, src * s : (src + 1) * s][:, ks]
     allowed = q_ids[:, :, None] == k_ids[:, None, :]
-    if step.causal:
+    if causal:
         allowed &= torch.ones(allowed.shape[1:], dtype=torch.bool, device=seg.device).tril()
     mask = torch.zeros(allowed.shape, dtype=dtype, device=seg.device).masked_fill_(~allowed, float("-inf"))
     return mask[:, None], allowed.any(-1)[:, None]
+
+
+def _merge(acc: Tensor, lse_acc: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Fold one block's (out, LSE) into the running ones, in place (views of the rows it covers).
+
+    ``out = out_acc * e^(lse_acc - lse) + out_b * e^(lse_b - lse)`` with
+    ``lse = logaddexp(lse_acc, lse_b)``: only (B, H, S)-sized temporaries.
+    """
+    lse = torch.logaddexp(lse_acc, lse_b)
+    acc.mul_(torch.exp(lse_acc - lse).unsqueeze(-1))
+    acc.addcmul_(out_b, torch.exp(lse_b - lse).unsqueeze(-1))
+    lse_acc.copy_(lse)
 
 
 def _send_to_next(buf: Tensor, group, rank: int, size: int) -> Tensor:
@@ -258,7 +286,8 @@ class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, seg, group, rank, size, causal, scale, overlap):
         s = q.shape[2]
-        merger = _SDPAMerger(q.dtype != torch.float64, seq_dim=2)  # fp32 merge, fp64 kept
+        acc_dtype = torch.promote_types(q.dtype, torch.float32)
+        acc = lse_acc = None
         states = []
         # The block that travels: k and v packed in one buffer (one copy of each).
         kv = k.new_empty(2 * k.numel())
@@ -275,20 +304,24 @@ class _RingAttentionFn(torch.autograd.Function):
             src = (rank - i) % size
             step = _Step(i, rank, src, causal, s)
             kb, vb = _split_kv(kv, k.shape)
-            mask, rows = _block_mask(seg, rank, src, step, s, q.dtype)
-            out, lse, state = _block_forward(
+            mask, rows = _block_mask(seg, rank, src, step.q, step.k, step.causal, s, q.dtype)
+            out_b, lse_b, state = _block_forward(
                 q[:, :, step.q], kb[:, :, step.k], vb[:, :, step.k], step.causal and mask is None, mask, scale
             )
             if rows is not None:
                 # No visible key in this block: no contribution (the CPU kernel says LSE 0).
-                lse = lse.masked_fill(~rows, float("-inf"))
-                out = out.masked_fill(~rows[..., None], 0.0)
-            merger.step(out, lse, step.partial)
+                lse_b = lse_b.masked_fill(~rows, float("-inf"))
+                out_b = out_b.masked_fill(~rows[..., None], 0.0)
+            if i == 0:  # every query sees at least itself here: finite LSE from now on
+                acc, lse_acc = out_b.to(acc_dtype), lse_b.to(acc_dtype)
+            else:
+                _merge(acc[:, :, step.q], lse_acc[:, :, step.q], out_b, lse_b)
             states.append(state)
-            del out, lse, mask
+            del out_b, lse_b, mask
             if nxt is not None:
                 kv = _wait(nxt)
-        out, lse = merger.results()
+        out, lse = acc.to(q.dtype), lse_acc
+        del acc
         ctx.save_for_backward(q, own, out, lse, seg)
         ctx.kv_shape = k.shape
         ctx.states = states
@@ -303,6 +336,7 @@ class _RingAttentionFn(torch.autograd.Function):
         s = q.shape[2]
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        halves = (slice(0, s // 2), slice(s // 2, s))
         dkv = None  # the block's fp32 dk/dv accumulator, passed on with it
         for i in range(size):
             nxt = None
@@ -311,21 +345,25 @@ class _RingAttentionFn(torch.autograd.Function):
                 if not overlap:
                     nxt = _wait(nxt)
             src = (rank - i) % size
-            step = _Step(i, rank, src, causal, s)
             kb, vb = _split_kv(kv, kv_shape)
-            mask, _ = _block_mask(seg, rank, src, step, s, q.dtype)
-            qs, ks = step.q, step.k
-            dq_b, dk_b, dv_b = _block_backward(
-                dout[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs],
-                lse[:, :, qs].contiguous(), step.causal and mask is None, mask, scale, ctx.states[i],
-            )
-            dq[:, :, qs] += dq_b
+            pending = []  # this step's dk/dv pieces, added once the block's accumulator is here
+            for qc, kc, pair_causal in _chunk_pairs(i, rank, src, causal):
+                qs, ks = halves[qc], halves[kc]
+                mask, _ = _block_mask(seg, rank, src, qs, ks, pair_causal, s, q.dtype)
+                dq_p, dk_p, dv_p = _block_backward(
+                    dout[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs],
+                    lse[:, :, qs].contiguous(), pair_causal and mask is None, mask, scale, ctx.states[i],
+                )
+                dq[:, :, qs] += dq_p
+                pending.append((ks, dk_p, dv_p))
+                del dq_p, mask
             # The accumulator of the block held now, from the ranks that held it before.
             acc = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device) if i == 0 else _wait(dkv)
             dk_acc, dv_acc = _split_kv(acc, kv_shape)
-            dk_acc[:, :, ks] += dk_b
-            dv_acc[:, :, ks] += dv_b
-            del dq_b, dk_b, dv_b, mask
+            for ks, dk_p, dv_p in pending:
+                dk_acc[:, :, ks] += dk_p
+                dv_acc[:, :, ks] += dv_p
+            del pending
             dkv = _send_to_next(acc, group, rank, size)  # the last send brings each home
             if not overlap:
                 dkv = _wait(dkv)
