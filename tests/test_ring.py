@@ -28,7 +28,13 @@ from ulysses_dtensor.comm_stats import CollectiveCounter
 from ulysses_dtensor.mesh import ParallelDims
 from ulysses_dtensor.models.llama import Llama, llama_args
 from ulysses_dtensor.parallelize import parallelize_llama
-from ulysses_dtensor.ring import RingAttention, layout_indices, ring_bytes_per_rank, usp_bytes_per_rank
+from ulysses_dtensor.ring import (
+    RingAttention,
+    layout_indices,
+    ring_attention,
+    ring_bytes_per_rank,
+    usp_bytes_per_rank,
+)
 from ulysses_dtensor.ulysses import UlyssesAttention
 
 # (ring, ulysses, dp_shard) on 8 ranks: every pair the issue names, FSDP over the rest.
@@ -90,8 +96,37 @@ def _bytes(ring: int, ulysses: int) -> dict:
     return {"ring": ring, "ulysses": ulysses, "sent_bytes": counter.sent_bytes(), "formula": want, "ring_part": ring_part}
 
 
+def _random_documents(world: int) -> float:
+    """Ring 8 alone, float64: random packed documents (long, short, repeated ids), causal or not."""
+    mesh = ParallelDims(dp_shard=1, sp=world, ring=world).build_mesh("cpu").ring
+    b, seq, heads, kv, d = 3, 16 * world, 4, 2, 4
+    rank, worst = mesh.get_local_rank(), 0.0
+    idx = layout_indices(seq, world)
+    mine = idx[rank * 16 : (rank + 1) * 16]
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        full = [torch.randn(b, seq, h, d, generator=g, dtype=torch.float64) for h in (heads, kv, kv, heads)]
+        cuts = torch.randint(1, seq, (b, [1, 8, 40][seed % 3]), generator=g)
+        docs = torch.zeros(b, seq, dtype=torch.long)
+        for row in range(b):
+            for c in cuts[row].tolist():
+                docs[row, c:] += 1
+        docs = docs % 2 if seed % 2 else docs  # equal ids apart: each run is its own document
+        for causal in (True, False):
+            ref_in = [t.clone().requires_grad_() for t in full[:3]]
+            ref = local_attention(*ref_in, backend="sdpa", causal=causal, document_ids=docs)
+            ref.backward(full[3])
+            local = [t[:, mine].clone().requires_grad_() for t in full[:3]]
+            out = ring_attention(*local, mesh, causal=causal, document_ids=docs[:, idx])
+            out.backward(full[3][:, mine])
+            for got, want in zip([out, *(t.grad for t in local)], [ref, *(t.grad for t in ref_in)]):
+                torch.testing.assert_close(got, want[:, mine], atol=1e-12, rtol=1e-12)
+                worst = max(worst, (got - want[:, mine]).abs().max().item())
+    return worst
+
+
 def _usp_worker(rank: int, world: int, out_path: str) -> None:
-    results = {"parity": [], "bytes": []}
+    results = {"parity": [], "bytes": [], "ring8_documents_fp64_max_abs": _random_documents(world)}
     for ring, ulysses, dp_shard in USP_MESHES:
         t0 = time.perf_counter()
         res = _parity(world, ring, ulysses, dp_shard)
@@ -111,6 +146,7 @@ def test_usp_parity_and_bytes_8_ranks(tmp_path):
         results = json.load(f)
     for r in results["parity"] + results["bytes"]:
         print(json.dumps(r))
+    print(json.dumps({"ring8_documents_fp64_max_abs": results["ring8_documents_fp64_max_abs"]}))
 
 
 # ---------------------------------------------------------------------------
@@ -210,3 +246,23 @@ def test_bad_ring_settings_are_clear_errors():
                         "parallelism": {"sp": 16, "ring": 2}})
     dims = validate_config(cfg, 16)
     assert (dims.ring, dims.ulysses) == (2, 8)
+
+
+def test_cuda_kernel_calls_on_meta_tensors():
+    """The CUDA kernels (no GPU here): signatures and shapes, on meta tensors, GQA 4:2."""
+    from ulysses_dtensor import ring_kernels as K
+
+    for dtype in (torch.bfloat16, torch.float32):  # flash / memory-efficient
+        q = torch.empty(2, 4, 64, 16, device="meta", dtype=dtype)
+        k = torch.empty(2, 2, 32, 16, device="meta", dtype=dtype)
+        out, lse, state = K._cuda_forward(q, k, k, False, None)
+        grads = K._cuda_backward(out, q, k, k, out, lse, False, None, state)
+        assert (out.shape, lse.shape) == (q.shape, q.shape[:3])
+        assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+    q = torch.empty(2, 4, 32, 16, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 32, 16, device="meta", dtype=torch.bfloat16)
+    runs = (torch.tensor([0, 10, 32, 50, 64], dtype=torch.int32, device="meta"), 22)
+    out, lse, state = K._varlen_forward(q, k, k, True, None, runs)
+    grads = K._varlen_backward(out, q, k, k, out, lse, True, None, state)
+    assert (out.shape, lse.shape) == (q.shape, q.shape[:3])
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]

@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .attention import LocalAttention, _cached_for, _segment_ids, local_attention
+from .ring_kernels import pair_backward, pair_forward, varlen_runs
 
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
@@ -111,95 +112,54 @@ def layout_position_ids(local_len: int, sp_rank: int, sp_size: int, ring: int, d
     return idx[sp_rank * local_len : (sp_rank + 1) * local_len]
 
 
-def _ring_segment_ids(document_ids: Tensor, ring: int) -> Tensor:
-    """Layout-order document ids -> layout-order segment ids (one per run in ORIGINAL order).
+def _original_segment_ids(document_ids: Tensor, ring: int) -> Tensor:
+    """Layout-order document ids -> segment ids in ORIGINAL order (0, 1, 2, ... per row).
 
     A document is a run of equal ids in the original order (as everywhere in
     this package); the layout splits runs, so runs are found on the restored
-    order and the ids mapped back.
+    order. The result is non-decreasing along each row.
     """
     s = document_ids.shape[1]
     idx = layout_indices(s, ring, document_ids.device)
     original = torch.empty_like(document_ids)
     original[:, idx] = document_ids
-    return _segment_ids(original)[:, idx]
+    return _segment_ids(original)
 
 
-# ---------------------------------------------------------------------------
-# Block kernels: (out, lse) and gradients of one (query part, key block) pair
-# ---------------------------------------------------------------------------
+class _Documents:
+    """Packed documents as the ring needs them: per chunk, per row, who is at its edges.
 
+    ``seg`` (B, S): segment ids in original order, non-decreasing along a row;
+    chunk ``p`` is tokens ``[p*C, (p+1)*C)``. Two different chunks share at most
+    ONE document (a document spanning from one to the other covers everything
+    between), found at their facing edges: with the key chunk earlier, the
+    query chunk's leading run and the key chunk's trailing run. So a pair of
+    different chunks is plain attention of a row prefix/suffix over a
+    suffix/prefix: no mask. The edge runs are read to the host once per batch.
+    """
 
-def _block_forward(q, k, v, causal: bool, mask: Tensor | None, scale):
-    """q (B, H, Sq, D), k/v (B, Hkv, Sk, D) -> out (B, H, Sq, D), lse (B, H, Sq) fp32, kernel state."""
-    if q.device.type == "cuda":
-        return _cuda_block_forward(q, k, v, causal, mask, scale)
-    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
-    )
-    return out, lse, None
+    def __init__(self, seg: Tensor, chunks: int):
+        b, s = seg.shape
+        self.seg = seg
+        self.c = s // chunks
+        x = seg.view(b, chunks, self.c)
+        first, last = x[..., 0], x[..., -1]
+        lead = (x == first[..., None]).sum(-1)
+        trail = (x == last[..., None]).sum(-1)
+        self.first, self.last, self.lead, self.trail = torch.stack([first, last, lead, trail]).tolist()
 
+    def chunk(self, p: int) -> Tensor:
+        return self.seg[:, p * self.c : (p + 1) * self.c]
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, mask, scale, state):
-    if q.device.type == "cuda":
-        return _cuda_block_backward(dout, q, k, v, out, lse, causal, mask, scale, state)
-    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
-    )
-
-
-# CUDA: the kernels torch's own context parallelism rings on. No GPU was lent
-# while this was written: these two are exercised on meta tensors only.
-def _cuda_block_forward(q, k, v, causal, mask, scale):
-    if mask is None and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale
-        )
-        return out, lse, ("flash", cum_q, cum_k, seed, offset)
-    # Memory-efficient kernel: any dtype, an additive bias for documents, no GQA.
-    kr, vr = _repeat_heads(k, v, q.shape[1])
-    out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
-        q, kr, vr, _cuda_bias(mask, q.shape[1]), True, 0.0, causal, scale=scale
-    )
-    return out, lse[..., : q.shape[2]], ("efficient", seed, offset)
-
-
-def _cuda_block_backward(dout, q, k, v, out, lse, causal, mask, scale, state):
-    # ``state`` comes from the step's forward call; without dropout the kernels
-    # read only its layout (dense batches), so it serves the sub-blocks too.
-    if state[0] == "flash":
-        _, cum_q, cum_k, seed, offset = state
-        return _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
-            scale=scale,
-        )
-    _, seed, offset = state
-    kr, vr = _repeat_heads(k, v, q.shape[1])
-    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel pads LSE rows to 32
-    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, kr, vr, _cuda_bias(mask, q.shape[1]), out, lse, seed, offset, 0.0,
-        [True, True, True, False], causal, scale=scale,
-    )
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:  # gradients of the repeated heads sum into their kv head
-        b, h, s, d = dk.shape
-        dk, dv = (t.view(b, h // rep, rep, s, d).sum(2) for t in (dk, dv))
-    return dq, dk, dv
-
-
-def _repeat_heads(k, v, heads: int):
-    rep = heads // k.shape[1]
-    return (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
-
-
-def _cuda_bias(mask: Tensor | None, heads: int) -> Tensor | None:
-    if mask is None:
-        return None
-    # The kernel wants the key dim 16-aligned: allocate padded, view the real part.
-    b, _, sq, sk = mask.shape
-    padded = mask.new_zeros(b, 1, sq, -(-sk // 16) * 16)
-    padded[..., :sk] = mask
-    return padded[..., :sk].expand(b, heads, sq, sk)
+    def shared(self, pq: int, pk: int) -> list[tuple[int, slice, slice]]:
+        """(row, query rows, key rows) that attend between two different chunks."""
+        out = []
+        for b in range(len(self.first)):
+            if pk < pq and self.first[b][pq] == self.last[b][pk]:
+                out.append((b, slice(0, self.lead[b][pq]), slice(self.c - self.trail[b][pk], self.c)))
+            elif pk > pq and self.last[b][pq] == self.first[b][pk]:
+                out.append((b, slice(self.c - self.trail[b][pq], self.c), slice(0, self.lead[b][pk])))
+        return out
 
 
 # ---------------------------------------------------------------------------
@@ -207,50 +167,68 @@ def _cuda_bias(mask: Tensor | None, heads: int) -> Tensor | None:
 # ---------------------------------------------------------------------------
 
 
-class _Step:
-    """Which part of the queries meets which part of the held k/v block, and how (forward)."""
+def _chunk_pairs(i: int, rank: int, src: int, causal: bool) -> list[tuple[int, int]]:
+    """(query chunk, key chunk) pairs attended at step i (chunk 0 = head, 1 = tail).
 
-    __slots__ = ("q", "k", "causal")
-
-    def __init__(self, i: int, rank: int, src: int, causal: bool, s: int):
-        full, head, tail = slice(0, s), slice(0, s // 2), slice(s // 2, s)
-        self.q, self.k, self.causal = full, full, False
-        if i == 0:
-            self.causal = causal  # own block: causal within [head, tail]
-        elif causal and src < rank:
-            self.k = head  # the earlier rank's head chunk precedes both of ours; its tail follows both
-        elif causal:
-            self.q = tail  # only our tail chunk comes after a later rank's block
-
-
-def _chunk_pairs(i: int, rank: int, src: int, causal: bool) -> list[tuple[int, int, bool]]:
-    """The same work as :class:`_Step`, as (query chunk, key chunk, causal) pairs (0 head, 1 tail).
-
-    Backward runs one kernel per pair: a kernel's workspace (FlashAttention's
-    fp32 dq accumulator, GQA-expanded dk/dv) and its dq then cover half a block.
+    Step 0 is the rank's own block: the two diagonal pairs come first (they
+    start every query row's running output), causal ones when ``causal``. With
+    causal masking an earlier rank's head chunk precedes both our chunks (its
+    tail follows both), and only our tail chunk follows a later rank's block.
     """
-    if not causal:
-        return [(a, b, False) for a in (0, 1) for b in (0, 1)]
     if i == 0:
-        return [(0, 0, True), (1, 0, False), (1, 1, True)]
-    return [(0, 0, False), (1, 0, False)] if src < rank else [(1, 0, False), (1, 1, False)]
+        return [(0, 0), (1, 1), (1, 0)] if causal else [(0, 0), (1, 1), (1, 0), (0, 1)]
+    if not causal:
+        return [(0, 0), (0, 1), (1, 0), (1, 1)]
+    return [(0, 0), (1, 0)] if src < rank else [(1, 0), (1, 1)]
 
 
-def _block_mask(seg, rank, src, qs: slice, ks: slice, causal: bool, s: int, dtype):
-    """Dense additive mask of one block pair (same document; causal on the diagonal) and its row coverage."""
-    if seg is None:
-        return None, None
-    q_ids = seg[:, rank * s : (rank + 1) * s][:, qs]
-    k_ids = seg[:, src * s : (src + 1) * s][:, ks]
-    allowed = q_ids[:, :, None] == k_ids[:, None, :]
+def _calls(i, rank, src, size, causal, s, docs: _Documents | None, device):
+    """The kernel calls of step i: (batch rows, query rows, key rows, causal, mask, varlen, diagonal).
+
+    Rows are slices of this rank's block (chunk c is ``[c*s/2, (c+1)*s/2)``).
+    Without documents, one call per chunk pair. With documents, a diagonal pair
+    runs over the chunk's document runs (a dense mask on CPU, varlen on CUDA)
+    and any other pair over the one document it may share, per batch row.
+    """
+    half = s // 2
+    out = []
+    for qc, kc in _chunk_pairs(i, rank, src, causal):
+        qs, ks = slice(qc * half, (qc + 1) * half), slice(kc * half, (kc + 1) * half)
+        diagonal = i == 0 and qc == kc
+        pair_causal = diagonal and causal
+        if docs is None:
+            out.append((slice(None), qs, ks, pair_causal, None, None, diagonal))
+            continue
+        pq, pk = _position(rank, qc, size), _position(src, kc, size)
+        if diagonal:
+            seg = docs.chunk(pq)
+            if device.type == "cuda":
+                out.append((slice(None), qs, ks, pair_causal, None, varlen_runs(seg), True))
+            else:
+                out.append((slice(None), qs, ks, pair_causal, _dense_mask(seg, pair_causal), None, True))
+            continue
+        for b, q_rows, k_rows in docs.shared(pq, pk):
+            q_abs = slice(qs.start + q_rows.start, qs.start + q_rows.stop)
+            k_abs = slice(ks.start + k_rows.start, ks.start + k_rows.stop)
+            out.append((slice(b, b + 1), q_abs, k_abs, False, None, None, False))
+    return out
+
+
+def _position(rank: int, c: int, size: int) -> int:
+    """Where chunk c of ring rank ``rank``'s block sits in the original sequence."""
+    return rank if c == 0 else 2 * size - 1 - rank
+
+
+def _dense_mask(seg: Tensor, causal: bool) -> Tensor:
+    """(B, 1, C, C) additive mask of a chunk's documents (causal within each)."""
+    allowed = seg[:, :, None] == seg[:, None, :]
     if causal:
         allowed &= torch.ones(allowed.shape[1:], dtype=torch.bool, device=seg.device).tril()
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=seg.device).masked_fill_(~allowed, float("-inf"))
-    return mask[:, None], allowed.any(-1)[:, None]
+    return torch.zeros(allowed.shape, device=seg.device).masked_fill_(~allowed, float("-inf"))[:, None]
 
 
 def _merge(acc: Tensor, lse_acc: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
-    """Fold one block's (out, LSE) into the running ones, in place (views of the rows it covers).
+    """Fold one call's (out, LSE) into the running ones, in place (views of the rows it covers).
 
     ``out = out_acc * e^(lse_acc - lse) + out_b * e^(lse_b - lse)`` with
     ``lse = logaddexp(lse_acc, lse_b)``: only (B, H, S)-sized temporaries.
@@ -284,17 +262,17 @@ class _RingAttentionFn(torch.autograd.Function):
     """q (B, H, S, D), k/v (B, Hkv, S, D): this rank's ring block, in ring layout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seg, group, rank, size, causal, scale, overlap):
+    def forward(ctx, q, k, v, docs, group, rank, size, causal, scale, overlap):
         s = q.shape[2]
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
-        acc = lse_acc = None
+        acc = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
+        lse_acc = torch.empty(q.shape[:3], dtype=acc_dtype, device=q.device)
         states = []
         # The block that travels: k and v packed in one buffer (one copy of each).
-        kv = k.new_empty(2 * k.numel())
+        kv = own = k.new_empty(2 * k.numel())
         k_own, v_own = _split_kv(kv, k.shape)
         k_own.copy_(k)
         v_own.copy_(v)
-        own = kv
         for i in range(size):
             nxt = None
             if i < size - 1:
@@ -302,41 +280,38 @@ class _RingAttentionFn(torch.autograd.Function):
                 if not overlap:
                     nxt = _wait(nxt)
             src = (rank - i) % size
-            step = _Step(i, rank, src, causal, s)
             kb, vb = _split_kv(kv, k.shape)
-            mask, rows = _block_mask(seg, rank, src, step.q, step.k, step.causal, s, q.dtype)
-            out_b, lse_b, state = _block_forward(
-                q[:, :, step.q], kb[:, :, step.k], vb[:, :, step.k], step.causal and mask is None, mask, scale
-            )
-            if rows is not None:
-                # No visible key in this block: no contribution (the CPU kernel says LSE 0).
-                lse_b = lse_b.masked_fill(~rows, float("-inf"))
-                out_b = out_b.masked_fill(~rows[..., None], 0.0)
-            if i == 0:  # every query sees at least itself here: finite LSE from now on
-                acc, lse_acc = out_b.to(acc_dtype), lse_b.to(acc_dtype)
-            else:
-                _merge(acc[:, :, step.q], lse_acc[:, :, step.q], out_b, lse_b)
-            states.append(state)
-            del out_b, lse_b, mask
+            step_states = []
+            for rows, qs, ks, pair_causal, mask, varlen, diagonal in _calls(i, rank, src, size, causal, s, docs, q.device):
+                out_p, lse_p, state = pair_forward(
+                    q[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks], pair_causal,
+                    None if mask is None else mask.to(q.dtype), scale, varlen,
+                )
+                if diagonal:  # every query sees itself here: it starts its row's running output
+                    acc[rows, :, qs] = out_p
+                    lse_acc[rows, :, qs] = lse_p
+                else:
+                    _merge(acc[rows, :, qs], lse_acc[rows, :, qs], out_p, lse_p)
+                step_states.append(state)
+                del out_p, lse_p
+            states.append(step_states)
             if nxt is not None:
                 kv = _wait(nxt)
-        out, lse = acc.to(q.dtype), lse_acc
+        out = acc.to(q.dtype)
         del acc
-        ctx.save_for_backward(q, own, out, lse, seg)
-        ctx.kv_shape = k.shape
-        ctx.states = states
+        ctx.save_for_backward(q, own, out, lse_acc)
+        ctx.docs, ctx.kv_shape, ctx.states = docs, k.shape, states
         ctx.args = (group, rank, size, causal, scale, overlap)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse, seg = ctx.saved_tensors
+        q, kv, out, lse = ctx.saved_tensors
         group, rank, size, causal, scale, overlap = ctx.args
-        kv_shape = ctx.kv_shape
+        kv_shape, docs = ctx.kv_shape, ctx.docs
         s = q.shape[2]
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        halves = (slice(0, s // 2), slice(s // 2, s))
         dkv = None  # the block's fp32 dk/dv accumulator, passed on with it
         for i in range(size):
             nxt = None
@@ -347,22 +322,22 @@ class _RingAttentionFn(torch.autograd.Function):
             src = (rank - i) % size
             kb, vb = _split_kv(kv, kv_shape)
             pending = []  # this step's dk/dv pieces, added once the block's accumulator is here
-            for qc, kc, pair_causal in _chunk_pairs(i, rank, src, causal):
-                qs, ks = halves[qc], halves[kc]
-                mask, _ = _block_mask(seg, rank, src, qs, ks, pair_causal, s, q.dtype)
-                dq_p, dk_p, dv_p = _block_backward(
-                    dout[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks], out[:, :, qs],
-                    lse[:, :, qs].contiguous(), pair_causal and mask is None, mask, scale, ctx.states[i],
+            calls = _calls(i, rank, src, size, causal, s, docs, q.device)
+            for (rows, qs, ks, pair_causal, mask, _, _), state in zip(calls, ctx.states[i]):
+                dq_p, dk_p, dv_p = pair_backward(
+                    dout[rows, :, qs], q[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks], out[rows, :, qs],
+                    lse[rows, :, qs].contiguous(), pair_causal, None if mask is None else mask.to(q.dtype),
+                    scale, state,
                 )
-                dq[:, :, qs] += dq_p
-                pending.append((ks, dk_p, dv_p))
-                del dq_p, mask
+                dq[rows, :, qs] += dq_p
+                pending.append((rows, ks, dk_p, dv_p))
+                del dq_p
             # The accumulator of the block held now, from the ranks that held it before.
             acc = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device) if i == 0 else _wait(dkv)
             dk_acc, dv_acc = _split_kv(acc, kv_shape)
-            for ks, dk_p, dv_p in pending:
-                dk_acc[:, :, ks] += dk_p
-                dv_acc[:, :, ks] += dv_p
+            for rows, ks, dk_p, dv_p in pending:
+                dk_acc[rows, :, ks] += dk_p
+                dv_acc[rows, :, ks] += dv_p
             del pending
             dkv = _send_to_next(acc, group, rank, size)  # the last send brings each home
             if not overlap:
@@ -370,7 +345,7 @@ class _RingAttentionFn(torch.autograd.Function):
             if nxt is not None:
                 kv = _wait(nxt)
         dk, dv = _split_kv(_wait(dkv), kv_shape)
-        ctx.states = None
+        ctx.states = ctx.docs = None
         return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None, None, None, None
 
 
@@ -403,7 +378,7 @@ def ring_attention(
         )
     if s % 2:
         raise ValueError(f"ring_attention: a ring block holds two chunks; its length {s} must be even")
-    seg = None
+    docs = None
     if document_ids is not None:
         if tuple(document_ids.shape) != (b, s * size):
             raise ValueError(
@@ -411,12 +386,15 @@ def ring_attention(
                 f"{(b, s * size)}; got {tuple(document_ids.shape)}"
             )
         document_ids = document_ids.to(q.device)
-        seg = _cached_for("ring_segments", document_ids, (size,), lambda: _ring_segment_ids(document_ids, size))
+        docs = _cached_for(
+            "ring_documents", document_ids, (size,),
+            lambda: _Documents(_original_segment_ids(document_ids, size), 2 * size),
+        )
     out = _RingAttentionFn.apply(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        seg,
+        docs,
         mesh.get_group(),
         mesh.get_local_rank(),
         size,
