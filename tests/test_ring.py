@@ -239,6 +239,8 @@ def test_bad_ring_settings_are_clear_errors():
     check(4, r"seq_len=12 .*lcm\(sp=4, 2\*ring=8\) = 8",  # a multiple of sp, not of 2*ring
           parallelism={"sp": 4, "ring": 4}, training={"seq_len": 12, "global_batch_size": 8})
     check(8, r"attn_backend='flex'.*ring", parallelism={"sp": 8, "ring": 2}, model={"flavor": "debug_gqa", "attn_backend": "flex"})
+    check(8, r"training.compile=true with parallelism.ring=2", parallelism={"sp": 8, "ring": 2},
+          training={"compile": True, "global_batch_size": 8})
     with pytest.raises(ConfigError, match=r"parallelism.ring=0 must be >= 1"):
         parse_config({"parallelism": {"ring": 0}})
     # 16 ranks = ring 2 x ulysses 8: more sp ranks than the 8 heads allow Ulysses alone.

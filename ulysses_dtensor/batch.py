@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .attention import document_ids_from_position_ids
 from .loss import IGNORE_INDEX
 from .mesh import divisors, ring_degree
-from .ring import layout_indices, seq_multiple
+from .ring_layout import layout_indices, seq_multiple
 
 
 def shift_labels(labels: Tensor, document_ids: Tensor | None, ignore_index: int = IGNORE_INDEX) -> Tensor:

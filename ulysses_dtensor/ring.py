@@ -1,51 +1,51 @@
-"""Ring attention over the ``ring`` dim of a USP mesh, and its causal load balancing.
+"""Ring attention over the ``ring`` dim of a USP mesh (Ulysses x ring).
 
-USP (Ulysses x ring): ``sp = ring x ulysses``. The Ulysses all-to-all runs over
-the ``ulysses`` ranks (inside a node) and leaves each rank with ``S / ring``
-tokens of ``H / ulysses`` heads: one ring block. Ring attention then passes the
-k/v blocks around the ``ring`` ranks (across nodes); every rank attends its own
-queries to each block in turn and merges the partial outputs by their
-log-sum-exp (LSE). Per layer a rank sends ``ring - 1`` k/v blocks forward;
-backward sends them again plus ``ring`` blocks of fp32 dk/dv accumulators, which
-travel with their block and come home at the end (:func:`ring_bytes_per_rank`).
+USP: ``sp = ring x ulysses``. The Ulysses all-to-all runs over the ``ulysses``
+ranks (inside a node) and leaves each rank ``S / ring`` tokens of
+``H / ulysses`` heads: one ring block, laid out as two mirrored chunks
+(:mod:`~ulysses_dtensor.ring_layout`). Ring attention passes the k/v blocks
+around the ``ring`` ranks (across nodes); each rank attends its queries to every
+block in turn and merges the partial outputs by their log-sum-exp (LSE), in
+place. Per layer a rank sends ``ring - 1`` k/v blocks forward; backward sends
+them again plus ``ring`` fp32 dk/dv accumulators, which travel with their block
+and come home at the end (:func:`ring_bytes_per_rank`).
 
-Load balancing (causal). The sequence is cut into ``2 * ring`` chunks and ring
-rank ``r`` holds chunks ``r`` and ``2*ring-1-r`` ("head-tail"), so every rank
-does the same causal work: at step 0 its own block (causal); from a block of an
-earlier rank only the block's first chunk (seen by both of its chunks, no mask);
-from a later rank only its second chunk attends (to the whole block, no mask).
-:func:`layout_indices` gives that order; ``shard_batch`` applies it to the
-batch BEFORE slicing (labels already shifted, position ids global), so the
-model never sees the reordering except through the document ids, which stay
-global (in layout order) for the masks.
+Work is done per (query chunk, key chunk) pair: at step 0 the rank's own
+chunks (causal) and its tail against its head; from an earlier rank's block
+both our chunks against its head chunk; from a later rank's block our tail
+against both of its chunks (causal masking makes the rest empty: balanced).
+Backward runs one kernel per pair, so a kernel's workspace (FlashAttention's
+fp32 dq accumulator, GQA-expanded dk/dv) covers half a block.
 
-Packed documents: every rank holds the global document ids, so the mask of any
-(query block, key block) pair is known locally: same document, plus causal on
-the diagonal step. On CPU each block runs SDPA's CPU flash kernel with a dense
-per-block mask; rows with no visible key in a block get LSE -inf (the kernel
-itself reports 0), so they add nothing to the merge.
+Packed documents: every rank holds the global document ids (layout order).
+A pair of different chunks shares at most one document, so it is attention of a
+row slice over a row slice, no mask; a chunk against itself runs over its
+document runs (dense mask on CPU, FlashAttention varlen on CUDA). The edges are
+read to the host once per batch, which is why a ring block cannot be compiled
+with ``fullgraph`` when documents are packed.
 
 Overlap: each step issues the next block's transfer (an asynchronous functional
 ``all_to_all_single`` that only sends to ``rank + 1``) before attending to the
-current block, and waits for it after. ``overlap=False`` waits at once (the
-benchmark's reference). Backward overlaps the same way, and also the dk/dv
-accumulator arriving from ``rank - 1`` with the current block's gradients.
+current block, and waits for it after; backward also overlaps the dk/dv
+accumulator arriving from ``rank - 1``. ``overlap=False`` waits at once (the
+benchmark's reference).
 
 What is PyTorch's and what is ours
 ----------------------------------
-Reused: the LSE-returning SDPA kernels (``aten._scaled_dot_product_flash_attention_for_cpu``
-and its backward, which also take GQA k/v natively; on CUDA the flash and
-memory-efficient ops), functional collectives (async ``all_to_all_single``),
-``_SDPAMerger`` (the LSE merge, including the half-query update) and
-``_HeadTailLoadBalancer`` (the layout) from
-``torch.distributed.tensor.experimental._attention``.
+Reused: the LSE-returning kernels (SDPA's CPU flash kernel and its backward,
+which take GQA k/v; on CUDA SDPA's flash / memory-efficient ops and
+``torch.nn.attention.varlen``'s ops, :mod:`~ulysses_dtensor.ring_kernels`),
+functional collectives, and ``_HeadTailLoadBalancer`` for the layout.
 
-Written here, the loop itself (forward and backward): torch's
+Written here, the loop (forward and backward) and the merge. torch's
 ``_templated_ring_attention`` passes the same kernel arguments to every step,
-so it cannot give each block its own document mask; its step and rotation
-choices live in a process-wide ``_cp_options`` (all-gather rotation by
-default, load balancing on, which refuses non-causal attention), and it has no
-switch to measure the overlap. It does run on gloo and with GQA.
+so it cannot give a block its own document mask or slices; its rotation and
+balancing are process-wide ``_cp_options`` (all-gather rotation by default;
+balancing on refuses non-causal attention); its merge (``_SDPAMerger``) makes
+three full fp32 temporaries and a concatenated copy per step (the forward's
+memory peak at long context); its backward runs one kernel per step (twice the
+workspace of one per chunk pair); and it has no switch to measure the overlap.
+It does run on gloo and with GQA.
 """
 
 from __future__ import annotations
@@ -58,10 +58,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .attention import LocalAttention, _cached_for, _segment_ids, local_attention
+from .attention import LocalAttention, _cached_for, local_attention
 from .ring_kernels import pair_backward, pair_forward, varlen_runs
-
-from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+from .ring_layout import Documents, layout_indices, layout_position_ids, original_segment_ids, seq_multiple
 
 __all__ = [
     "RING_BACKENDS",
@@ -77,89 +76,6 @@ __all__ = [
 
 # The ring merges blocks by LSE, which only SDPA's kernels return here.
 RING_BACKENDS = ("auto", "sdpa")
-_aten = torch.ops.aten
-
-
-# ---------------------------------------------------------------------------
-# Layout (causal load balancing)
-# ---------------------------------------------------------------------------
-
-
-def seq_multiple(sp: int, ring: int) -> int:
-    """What a sequence length must be a multiple of: sp slices and 2*ring chunks."""
-    return sp if ring == 1 else math.lcm(sp, 2 * ring)
-
-
-def layout_indices(seq_len: int, ring: int, device=None) -> Tensor:
-    """(seq_len,) int64: slot i of the ring layout holds original token ``idx[i]``.
-
-    Ring rank r's block is ``[chunk r, chunk 2*ring-1-r]`` of ``2*ring`` equal
-    chunks; blocks follow each other in ring-rank order. ``ring=1``: identity.
-    """
-    if ring == 1:
-        return torch.arange(seq_len, device=device)
-    if seq_len % (2 * ring):
-        raise ValueError(
-            f"the ring layout needs a sequence length divisible by 2*ring={2 * ring}, got "
-            f"{seq_len}; pad it (shard_batch pads to a multiple of lcm(sp, 2*ring))"
-        )
-    return _HeadTailLoadBalancer(seq_len, ring, device)._generate_indices()[0].long()
-
-
-def layout_position_ids(local_len: int, sp_rank: int, sp_size: int, ring: int, device=None) -> Tensor:
-    """(local_len,) global positions of sp rank ``sp_rank``'s slots (one document per row)."""
-    idx = layout_indices(local_len * sp_size, ring, device)
-    return idx[sp_rank * local_len : (sp_rank + 1) * local_len]
-
-
-def _original_segment_ids(document_ids: Tensor, ring: int) -> Tensor:
-    """Layout-order document ids -> segment ids in ORIGINAL order (0, 1, 2, ... per row).
-
-    A document is a run of equal ids in the original order (as everywhere in
-    this package); the layout splits runs, so runs are found on the restored
-    order. The result is non-decreasing along each row.
-    """
-    s = document_ids.shape[1]
-    idx = layout_indices(s, ring, document_ids.device)
-    original = torch.empty_like(document_ids)
-    original[:, idx] = document_ids
-    return _segment_ids(original)
-
-
-class _Documents:
-    """Packed documents as the ring needs them: per chunk, per row, who is at its edges.
-
-    ``seg`` (B, S): segment ids in original order, non-decreasing along a row;
-    chunk ``p`` is tokens ``[p*C, (p+1)*C)``. Two different chunks share at most
-    ONE document (a document spanning from one to the other covers everything
-    between), found at their facing edges: with the key chunk earlier, the
-    query chunk's leading run and the key chunk's trailing run. So a pair of
-    different chunks is plain attention of a row prefix/suffix over a
-    suffix/prefix: no mask. The edge runs are read to the host once per batch.
-    """
-
-    def __init__(self, seg: Tensor, chunks: int):
-        b, s = seg.shape
-        self.seg = seg
-        self.c = s // chunks
-        x = seg.view(b, chunks, self.c)
-        first, last = x[..., 0], x[..., -1]
-        lead = (x == first[..., None]).sum(-1)
-        trail = (x == last[..., None]).sum(-1)
-        self.first, self.last, self.lead, self.trail = torch.stack([first, last, lead, trail]).tolist()
-
-    def chunk(self, p: int) -> Tensor:
-        return self.seg[:, p * self.c : (p + 1) * self.c]
-
-    def shared(self, pq: int, pk: int) -> list[tuple[int, slice, slice]]:
-        """(row, query rows, key rows) that attend between two different chunks."""
-        out = []
-        for b in range(len(self.first)):
-            if pk < pq and self.first[b][pq] == self.last[b][pk]:
-                out.append((b, slice(0, self.lead[b][pq]), slice(self.c - self.trail[b][pk], self.c)))
-            elif pk > pq and self.last[b][pq] == self.first[b][pk]:
-                out.append((b, slice(self.c - self.trail[b][pq], self.c), slice(0, self.lead[b][pk])))
-        return out
 
 
 # ---------------------------------------------------------------------------
@@ -182,7 +98,7 @@ def _chunk_pairs(i: int, rank: int, src: int, causal: bool) -> list[tuple[int, i
     return [(0, 0), (1, 0)] if src < rank else [(1, 0), (1, 1)]
 
 
-def _calls(i, rank, src, size, causal, s, docs: _Documents | None, device):
+def _calls(i, rank, src, size, causal, s, docs: Documents | None, device):
     """The kernel calls of step i: (batch rows, query rows, key rows, causal, mask, varlen, diagonal).
 
     Rows are slices of this rank's block (chunk c is ``[c*s/2, (c+1)*s/2)``).
@@ -388,7 +304,7 @@ def ring_attention(
         document_ids = document_ids.to(q.device)
         docs = _cached_for(
             "ring_documents", document_ids, (size,),
-            lambda: _Documents(_original_segment_ids(document_ids, size), 2 * size),
+            lambda: Documents(original_segment_ids(document_ids, size), 2 * size),
         )
     out = _RingAttentionFn.apply(
         q.transpose(1, 2),

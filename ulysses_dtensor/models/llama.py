@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from ..attention import LocalAttention, check_backend
 from ..loss import sp_cross_entropy
 from ..mesh import ring_degree
-from ..ring import layout_position_ids
+from ..ring_layout import layout_position_ids
 from ..suggest import unknown_name
 from .norm import RMSNorm
 from ..tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy

@@ -243,7 +243,8 @@ def _check_ring(cfg: JobConfig, schedule, dims) -> None:
     """Ring attention: sequence lengths its layout can split, a backend it can run."""
     if dims.ring == 1:
         return
-    from ..ring import RING_BACKENDS, seq_multiple
+    from ..ring import RING_BACKENDS
+    from ..ring_layout import seq_multiple
 
     unit = seq_multiple(dims.sp, dims.ring)
     for i, st in enumerate(schedule.stages):
@@ -254,6 +255,12 @@ def _check_ring(cfg: JobConfig, schedule, dims) -> None:
                 f"parallelism.ring={dims.ring}: the ring's load-balanced layout cuts each sequence "
                 f"into 2*ring chunks (e.g. {max(unit, st.seq_len // unit * unit)})"
             )
+    if cfg.training.compile:
+        raise ConfigError(
+            f"training.compile=true with parallelism.ring={dims.ring}: ring attention reads the "
+            f"packed documents' edges to the host once per batch, which a fullgraph-compiled block "
+            f"cannot do; set training.compile=false (or parallelism.ring=1)"
+        )
     if cfg.model.attn_backend not in RING_BACKENDS:
         raise ConfigError(
             f"model.attn_backend={cfg.model.attn_backend!r} cannot run inside ring attention "
