@@ -11,11 +11,13 @@ the same layer run round-robin in one timing loop:
 * ``overlapped``: each ring step's k/v transfer (and, in backward, the dk/dv
   accumulator's) is issued before the current block is attended and waited
   for after it (``RingAttention(overlap=True)``, the default);
-* ``serial``: the same transfers, waited for as soon as they are issued.
+* ``serial``: the same transfers, waited for as soon as they are issued;
+* ``transfers``: those transfers alone (same sizes, same ring pattern), no compute.
 
 ``ratios.overlapped_over_serial`` is the paired ratio (median over iterations
 of t_overlapped[i] / t_serial[i], each the slowest rank's time): below 1 is
-time the overlap hides. An untimed pass counts the collectives and bytes each
+time the overlap hides; ``hidden_fraction_of_transfers`` is
+median(t_serial - t_overlapped) / median(t_transfers). An untimed pass counts the collectives and bytes each
 rank sent (``CollectiveCounter``) and asserts them equal to
 ``usp_bytes_per_rank``; both variants' outputs and gradients must agree, and
 with ``--check`` equal unsharded attention.
@@ -151,6 +153,8 @@ def run_shape(a, shape, pmesh, device) -> dict:
         rec_check = max((x - y).abs().max().item() for x, y in zip(results["overlapped"], want))
 
     fns = {name: (lambda n=name: step(n)) for name in VARIANTS}
+    if ring > 1:
+        fns["transfers"] = _transfers(pmesh.ring, inputs["serial"][1], ulysses, kv, heads)
     barrier = (lambda: torch.distributed.barrier()) if device.type == "cpu" else None
     times = C.timed_interleaved(fns, warmup=a.warmup, iters=a.iters, device=device, barrier=barrier)
     times = C.max_over_ranks(times, device)
@@ -162,6 +166,8 @@ def run_shape(a, shape, pmesh, device) -> dict:
                    "dtype": a.dtype, "threads_per_rank": torch.get_num_threads()},
         "variants": {name: C.summarize(t) for name, t in times.items()},
         "ratios": {"overlapped_over_serial": C.paired_ratio(times["overlapped"], times["serial"])},
+        # The share of the transfer time the overlap hides: (serial - overlapped) / transfers.
+        "hidden_fraction_of_transfers": _hidden(times) if ring > 1 else None,
         "sent_bytes_per_rank": counts["overlapped"]["sent_bytes"],
         "expected_sent_bytes_per_rank": expected,
         "ring_bytes_per_rank": ring_bytes_per_rank(a.batch, seq, kv_local, hd, ring, elt),
@@ -169,6 +175,34 @@ def run_shape(a, shape, pmesh, device) -> dict:
         "max_abs_diff_overlapped_vs_serial": agree,
         "max_abs_diff_vs_unsharded": rec_check,
     }
+
+
+def _transfers(mesh, k_local, ulysses, kv, heads):
+    """The ring's own transfers of one forward + backward, nothing else (sizes as the layer's)."""
+    from ulysses_dtensor.ring import _send_to_next, _wait
+
+    ring, rank = mesh.size(), mesh.get_local_rank()
+    b, s_local, _, d = k_local.shape
+    kv_local = kv * kv_replication(heads, kv, ulysses) // ulysses
+    n = 2 * b * s_local * ulysses * kv_local * d  # k and v of one block
+    kv_buf = k_local.new_empty(n)
+    acc = torch.empty(n, dtype=torch.float32, device=k_local.device)
+    group = mesh.get_group()
+
+    def run():
+        for _ in range(2 * (ring - 1)):  # k/v blocks: forward, and again in backward
+            _wait(_send_to_next(kv_buf, group, rank, ring))
+        for _ in range(ring):  # fp32 dk/dv accumulators
+            _wait(_send_to_next(acc, group, rank, ring))
+
+    return run
+
+
+def _hidden(times) -> float:
+    import statistics
+
+    saved = statistics.median(s - o for s, o in zip(times["serial"], times["overlapped"]))
+    return round(saved / statistics.median(times["transfers"]), 3)
 
 
 def worker(rank, world, device, report, a, ring):

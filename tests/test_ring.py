@@ -31,6 +31,7 @@ from ulysses_dtensor.parallelize import parallelize_llama
 from ulysses_dtensor.ring import (
     RingAttention,
     layout_indices,
+    layout_position_ids,
     ring_attention,
     ring_bytes_per_rank,
     usp_bytes_per_rank,
@@ -215,6 +216,9 @@ def test_layout_is_mirrored_chunks_and_shard_batch_keeps_every_token():
         whole = torch.cat([p[key] for p in parts], dim=1)[:, restore]
         assert torch.equal(whole[:, :seq], plain[key]), key  # shifted before the reorder: nothing lost
     assert (torch.cat([p["labels"] for p in parts], dim=1)[:, restore][:, seq:] == -100).all()
+    single = [shard_batch({"input_ids": ids}, sp_rank=r, sp_size=sp, ring=ring) for r in range(sp)]
+    for r, part in enumerate(single):  # what the model uses when no position ids are given
+        assert torch.equal(part["position_ids"][0], layout_position_ids(6, r, sp, ring)), r
     docs = parts[0]["document_ids"]
     assert torch.equal(docs[:, torch.argsort(idx)][:, :seq], plain["document_ids"])
     with pytest.raises(ValueError, match=r"not divisible by lcm\(sp=4, 2\*ring=4\)"):
