@@ -3,6 +3,7 @@
 CPU (gloo), 4 processes: 2 data-parallel groups of 2 sequence-parallel ranks:
 
     torchrun --nproc_per_node=4 scripts/example_custom_loop.py --sp 2
+    torchrun --nproc_per_node=4 scripts/example_custom_loop.py --sp 4 --ring 2   # USP: ring 2 x ulysses 2
 
 GPU (nccl), e.g. Llama-3-8B at 64K tokens on 8 GPUs:
 
@@ -51,6 +52,8 @@ def synthetic_batch(step, batch_size, seq_len, vocab, dp_rank):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sp", type=int, default=2, help="sequence-parallel degree")
+    p.add_argument("--ring", type=int, default=1,
+                   help="ring attention inside sp (sp = ring x ulysses; shard_batch reads it off pmesh.sp)")
     p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (dp_shard fills the rest)")
     p.add_argument("--flavor", default="debug")
     p.add_argument("--seq-len", type=int, default=64)
@@ -73,7 +76,7 @@ def main():
 
 def train(args, device):
     cuda = device.type == "cuda"
-    pmesh = ParallelDims(dp_replicate=args.dp_replicate, dp_shard=-1, sp=args.sp).build_mesh(device.type)
+    pmesh = ParallelDims(dp_replicate=args.dp_replicate, dp_shard=-1, sp=args.sp, ring=args.ring).build_mesh(device.type)
 
     # 2. Model on meta, parallelized (Ulysses attention, AC, compile, FSDP2), then materialised.
     with torch.device("meta"):

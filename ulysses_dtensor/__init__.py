@@ -14,6 +14,8 @@ _EXPORTS = {
     "UlyssesAttention": "ulysses",
     "seq_to_heads": "ulysses",
     "heads_to_seq": "ulysses",
+    "RingAttention": "ring",
+    "ring_attention": "ring",
     "shard_batch": "batch",
     "sp_cross_entropy": "loss",
     "count_valid_tokens": "loss",
