@@ -126,13 +126,14 @@ def parallelize_llama(
         )
 
     dims = pmesh.dims
+    ring = getattr(dims, "ring", 1)
     if dims.sp > 1:
         args = getattr(model, "args", None)
         if args is not None:
-            kv_replication(args.n_heads, args.n_kv_heads, dims.ulysses)  # clear error before any change
+            kv_replication(args.n_heads, args.n_kv_heads, dims.sp // ring)  # clear error before any change
         for block in layers.values():
             attn = block.attention
-            if dims.ring > 1:
+            if ring > 1:
                 # Ring first: the Ulysses hooks go on the module that stays.
                 attn.inner = parallelize_module(attn.inner, pmesh.ring, RingAttention())
             parallelize_module(attn.inner, pmesh.ulysses, UlyssesAttention(pack_qkv=pack_qkv))
