@@ -52,6 +52,16 @@ def _reset_between_tasks() -> None:
         if pg is not world:
             dist.destroy_process_group(pg)
     torch._dynamo.reset()
+    # DTensor caches sharding propagation (and redistribute plans) by specs whose
+    # meshes compare equal across tasks (same layout and names, not groups): a hit
+    # would hand the next task an output on a finished task's mesh, whose groups
+    # are gone ("Could not resolve the process group").
+    from torch.distributed.tensor import _redistribute, debug
+
+    for clear in (getattr(debug, "_clear_sharding_prop_cache", None),
+                  getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)):
+        if clear is not None:
+            clear()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(1)
@@ -75,6 +85,9 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
             results.put((rank, True, value))
         except BaseException:  # noqa: BLE001 - report everything, the pool is discarded
             results.put((rank, False, traceback.format_exc()))
+            # The queue's feeder thread must send the report before the hard exit below.
+            results.close()
+            results.join_thread()
             break
     # A finished rank skips interpreter teardown (see ulysses_dtensor.runtime.exit_process).
     from ulysses_dtensor.runtime import exit_process

@@ -11,6 +11,13 @@ angle of position 10^6 is still exact to float32, and applied on the local
 slice before the exchange. With global position ids (``shard_batch`` gives
 them) rope on a slice equals rope on the full sequence.
 
+The same module covers the Hugging Face families (see ``hf_checkpoint.py``):
+q/k/v bias (Qwen2), RMSNorm of q and k over head_dim (Qwen3), a head_dim that is
+not ``dim / n_heads`` (Qwen3, Mistral-Nemo), and the rotate-half rope layout
+(``rope_layout="half"``) in which HF stores q/k projections. Our own flavors keep
+Meta's interleaved layout; the two are the same model up to a permutation of
+each head's q/k rows (``hf_checkpoint.interleaved_to_half``).
+
 Typical life cycle::
 
     with torch.device("meta"):
@@ -39,6 +46,7 @@ from ..tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
 
 __all__ = [
     "FLAVORS",
+    "ROPE_LAYOUTS",
     "Llama",
     "LlamaArgs",
     "apply_rope",
@@ -68,6 +76,15 @@ class LlamaArgs:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    # Which q/k dims rope rotates together: "interleaved" pairs (2i, 2i+1)
+    # (Meta's layout, our flavors) or "half" pairs (i, i + head_dim/2) (the
+    # rotate-half layout of Hugging Face checkpoints, loaded unpermuted).
+    rope_layout: str = "interleaved"
+    # Width of one attention head; 0: dim // n_heads. Qwen3 and Mistral-Nemo
+    # set their own (n_heads * head_dim != dim).
+    explicit_head_dim: int = 0
+    qkv_bias: bool = False  # bias on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head over head_dim, before rope (Qwen3)
 
     def __post_init__(self) -> None:
         check_backend(self.attn_backend)
@@ -75,14 +92,22 @@ class LlamaArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"LlamaArgs.{name}={value!r} must be an integer >= 1")
-        if self.dim % self.n_heads:
+        if self.rope_layout not in ROPE_LAYOUTS:
             raise ValueError(
-                f"LlamaArgs.dim={self.dim} must be divisible by n_heads={self.n_heads}"
+                f"LlamaArgs.rope_layout={self.rope_layout!r}; valid: {', '.join(ROPE_LAYOUTS)}"
             )
-        if (self.dim // self.n_heads) % 2:
+        if not isinstance(self.explicit_head_dim, int) or self.explicit_head_dim < 0:
             raise ValueError(
-                f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even for rope"
+                f"LlamaArgs.explicit_head_dim={self.explicit_head_dim!r} must be an integer "
+                ">= 0 (0: dim // n_heads)"
             )
+        if not self.explicit_head_dim and self.dim % self.n_heads:
+            raise ValueError(
+                f"LlamaArgs.dim={self.dim} must be divisible by n_heads={self.n_heads} "
+                "(or set explicit_head_dim)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = {self.head_dim} must be even for rope")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"LlamaArgs.n_heads={self.n_heads} must be a multiple of "
@@ -91,8 +116,10 @@ class LlamaArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
 
+
+ROPE_LAYOUTS = ("interleaved", "half")
 
 FLAVORS: dict[str, LlamaArgs] = {
     # Tiny: trains on CPU in tests. head_dim 8, GQA 2:1.
@@ -173,11 +200,19 @@ def rope_cos_sin(position_ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate consecutive pairs ``(x[2i], x[2i+1])`` of ``x: (B, S, H, D)`` (Meta's layout)."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") -> Tensor:
+    """Rotate pairs of dims of ``x: (B, S, H, D)`` by the angles of ``cos, sin``.
+
+    ``"interleaved"``: pairs ``(x[2i], x[2i+1])`` (Meta's layout);
+    ``"half"``: pairs ``(x[i], x[i + D/2])`` (Hugging Face's rotate-half layout).
+    """
     c, s = cos[:, :, None, :], sin[:, :, None, :]
+    xf = x.float()
+    if layout == "half":
+        x0, x1 = xf.chunk(2, dim=-1)
+        return torch.cat([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).type_as(x)
+    xf = xf.unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
     return out.type_as(x)
 
@@ -193,10 +228,17 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.rope_layout = args.rope_layout
+        bias = args.qkv_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         # Sees (B, S, H, D) q/k/v. Under Ulysses: the full sequence, H/sp heads.
         self.inner = LocalAttention(args.attn_backend)
 
@@ -205,7 +247,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin, self.rope_layout)
+        k = apply_rope(k, cos, sin, self.rope_layout)
         out = self.inner(q, k, v, document_ids=document_ids)
         return self.wo(out.reshape(b, s, -1))
 
@@ -403,6 +448,11 @@ class Llama(nn.Module):
             att, ff = layer.attention, layer.feed_forward
             for n in ("wq", "wk", "wv"):
                 yield pre + f"attention.{n}.weight", getattr(att, n).weight, "trunc_normal", 0.02
+                if a.qkv_bias:
+                    yield pre + f"attention.{n}.bias", getattr(att, n).bias, "zeros", 0.0
+            if a.qk_norm:
+                yield pre + "attention.q_norm.weight", att.q_norm.weight, "ones", 0.0
+                yield pre + "attention.k_norm.weight", att.k_norm.weight, "ones", 0.0
             yield pre + "attention.wo.weight", att.wo.weight, "trunc_normal", depth_std
             yield pre + "feed_forward.w1.weight", ff.w1.weight, "trunc_normal", 0.02
             yield pre + "feed_forward.w2.weight", ff.w2.weight, "trunc_normal", depth_std
@@ -464,8 +514,8 @@ def _init_param(param: Tensor, name: str, kind: str, std: float, seed: int) -> N
             f"init_weights: parameter {name} is on the meta device; call "
             "model.to_empty(device=...) first"
         )
-    if kind == "ones":
-        local.fill_(1.0)
+    if kind in ("ones", "zeros"):
+        local.fill_(1.0 if kind == "ones" else 0.0)
         return
     if local.numel() == 0:
         return

@@ -80,6 +80,9 @@ class Job:
 
 @dataclass
 class Model:
+    hf_path: str = _f(
+        "", "a local Hugging Face model directory (config.json + *.safetensors) to start from; "
+        "its config sets the shapes and vocabulary (then flavor and the overrides must stay unset)")
     flavor: str = _f("debug", "model size, a key of ulysses_dtensor.models.llama.FLAVORS")
     attn_backend: str = _f(
         "auto", "local attention after the all-to-all (auto: sdpa on CPU, flash_attn/varlen on CUDA bf16)", BACKENDS
@@ -208,6 +211,14 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     memory: Memory = field(default_factory=Memory)
     metrics: Metrics = field(default_factory=Metrics)
+    # "section.key" names the TOML file or the command line set (parse_config).
+    explicit_keys: typing.ClassVar[frozenset] = frozenset()
+
+    def is_set(self, section: str, key: str) -> bool:
+        """Whether the user set ``section.key`` (or it differs from its default)."""
+        f = _FIELDS[section][key]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        return f"{section}.{key}" in self.explicit_keys or getattr(getattr(self, section), key) != default
 
     # ----------------------------------------------------------- derived
     def stages(self) -> list[Stage]:
@@ -241,7 +252,10 @@ class JobConfig:
 
 
 # `from __future__ import annotations` leaves field types as strings: resolve once.
-_SECTION_TYPES = typing.get_type_hints(JobConfig)
+_SECTION_TYPES = {
+    name: tp for name, tp in typing.get_type_hints(JobConfig).items()
+    if name in {f.name for f in dataclasses.fields(JobConfig)}
+}
 _FIELD_TYPES = {name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()}
 _FIELDS = {name: {f.name: f for f in dataclasses.fields(cls)} for name, cls in _SECTION_TYPES.items()}
 
@@ -456,6 +470,7 @@ def parse_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
 def parse_config(toml: dict | None = None, overrides: list[tuple[str, str]] = ()) -> JobConfig:
     """Defaults, then the TOML dict, then the CLI overrides (strings)."""
     cfg = JobConfig()
+    explicit = set()
     for section, table in (toml or {}).items():
         _check_section(section)
         if not isinstance(table, dict):
@@ -463,9 +478,12 @@ def parse_config(toml: dict | None = None, overrides: list[tuple[str, str]] = ()
         for key, value in table.items():
             _check_key(section, key)
             _apply(cfg, section, key, value, from_cli=False)
+            explicit.add(f"{section}.{key}")
     for dotted, raw in overrides:
         section, key = _split_dotted(dotted)
         _apply(cfg, section, key, raw, from_cli=True)
+        explicit.add(dotted)
+    cfg.explicit_keys = frozenset(explicit)
     _check_values(cfg)
     return cfg
 
@@ -526,6 +544,9 @@ def _check_values(cfg: JobConfig) -> None:
             f"(got {cfg.activation_checkpoint.mode!r}): it offloads the block inputs that "
             f"full checkpointing keeps"
         )
+    from .hf_start import check_hf_exclusive_keys
+
+    check_hf_exclusive_keys(cfg, cfg.is_set)
     if not cfg.job.dump_folder:
         raise ConfigError("job.dump_folder must not be empty")
     if Path(cfg.checkpoint.folder).is_absolute() or ".." in Path(cfg.checkpoint.folder).parts:
@@ -573,7 +594,12 @@ def validate_config(cfg: JobConfig, world_size: int):
 
 
 def model_args(cfg: JobConfig, vocab_size: int):
-    """The LlamaArgs for this config (flavor + overrides), or a ConfigError."""
+    """The LlamaArgs for this config (flavor + overrides, or model.hf_path's
+    config.json, whose vocabulary wins over ``vocab_size``), or a ConfigError."""
+    if cfg.model.hf_path:
+        from .hf_start import hf_model_args
+
+        return hf_model_args(cfg)
     try:
         from ..models.llama import FLAVORS, llama_args
     except ImportError as e:  # pragma: no cover - the model module is part of the package
@@ -616,17 +642,20 @@ def _check_data(cfg: JobConfig) -> None:
                 f"data.path={d.path!r} is a directory without any "
                 f"{' / '.join(DATA_SUFFIXES)} file"
             )
-    if d.tokenizer != "byte":
-        tok = Path(d.tokenizer)
+    from .hf_start import tokenizer_spec
+
+    spec = tokenizer_spec(cfg)
+    if spec != "byte":
+        tok = Path(spec)
         if not tok.is_file():
             raise ConfigError(
-                f"data.tokenizer={d.tokenizer!r}: no such file; valid: 'byte' or the path "
+                f"data.tokenizer={spec!r}: no such file; valid: 'byte' or the path "
                 f"of an HF tokenizer.json"
             )
         try:
             import tokenizers  # noqa: F401
         except ImportError:
-            raise ConfigError(TOKENIZERS_EXTRA_MSG.format(path=d.tokenizer)) from None
+            raise ConfigError(TOKENIZERS_EXTRA_MSG.format(path=spec)) from None
     if d.max_corpus_mb <= 0:
         raise ConfigError(f"data.max_corpus_mb={d.max_corpus_mb} must be > 0")
 
