@@ -352,6 +352,10 @@ def test_export_round_trip_every_family_and_our_own_flavor(families, tmp_path):
         if name == "qwen2":
             assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) == len(
                 hf_names(model.args))
+    from ulysses_dtensor.export import export_checkpoint
+
+    with pytest.raises(HFCheckpointError, match="already holds"):
+        export_checkpoint(ckpt, out)
 
 
 # ---------------------------------------------------------------------------
@@ -458,6 +462,38 @@ def test_trainer_config_with_hf_path(families, tmp_path):
         validate_config(load_config(["--config", str(toml), "--model.hf_path", str(bad)]), 4)
     with pytest.raises(ConfigError, match=r"model\.hf_path='/nonexistent' is not a directory"):
         validate_config(load_config(["--config", str(toml), "--model.hf_path", "/nonexistent"]), 4)
+
+
+# Meta's published config.json of Llama-3.1-8B (written by transformers 4.43).
+LLAMA31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+
+
+def test_shipped_hf_configs_validate(families, tmp_path):
+    """debug_hf.toml and llama3_8b_hf_128k.toml validate with their directories in place;
+    Llama-3.1-8B's published config is exactly our llama3_8b flavor, in the half layout."""
+    from safetensors.torch import save_file
+
+    from ulysses_dtensor.trainer.config import load_config, model_args, validate_config
+
+    llama = tmp_path / "Llama-3.1-8B"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps(LLAMA31_8B_CONFIG))
+    save_file({"stand_in": torch.zeros(1)}, str(llama / "model-00001-of-00004.safetensors"))
+    for name, path, world in (("debug_hf", families["llama"][0], 4), ("llama3_8b_hf_128k", llama, 8)):
+        cfg = load_config(["--config", str(REPO / "train_configs" / f"{name}.toml"), "--model.hf_path", str(path)])
+        assert validate_config(cfg, world).sp == cfg.parallelism.sp
+    assert model_args(cfg, 0) == llama_args(
+        "llama3_8b", rope_layout="half", explicit_head_dim=128, attn_backend="varlen")
 
 
 def test_library_imports_without_the_hf_extra():

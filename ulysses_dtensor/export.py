@@ -128,6 +128,11 @@ def export_checkpoint(
     groups = _shard_plan(entries, max_bytes)
     n_files = len(groups)
 
+    if out.is_dir() and any(out.glob("*.safetensors")):
+        raise HFCheckpointError(
+            f"--out {str(out)!r} already holds *.safetensors files (a loader would mix them with "
+            "this export); give a new or empty directory"
+        )
     out.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
     for i, group in enumerate(groups, start=1):
@@ -151,11 +156,11 @@ def export_checkpoint(
     max_len = int(info.get("max_seq_len") or 0)
     if source is not None:
         config = dict(source)
-        config["dtype"] = dtype
-        config.pop("torch_dtype", None)
         config["max_position_embeddings"] = max(int(config.get("max_position_embeddings") or 0), max_len)
     else:
-        config = hf_config_from_args(args, dtype=dtype, max_position_embeddings=max(max_len, 8192))
+        config = hf_config_from_args(args, max_position_embeddings=max(max_len, 8192))
+    # "dtype" is what transformers 5 reads, "torch_dtype" what 4.x (and tools built on it) read.
+    config.update(dtype=dtype, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     copied = _copy_tokenizer(info, out)
     print(

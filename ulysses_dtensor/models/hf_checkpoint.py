@@ -195,7 +195,7 @@ def args_from_hf_config(cfg: dict, *, attn_backend: str = "auto", where: str = "
         raise HFCheckpointError(f"{where}: {e}") from None
 
 
-def hf_config_from_args(args: LlamaArgs, *, dtype: str = "float32", max_position_embeddings: int = 8192) -> dict:
+def hf_config_from_args(args: LlamaArgs, *, max_position_embeddings: int = 8192) -> dict:
     """An HF config dict for a model trained from our args (no source config)."""
     if args.qkv_bias and args.qk_norm:
         raise HFCheckpointError("no supported HF architecture has both q/k/v bias and q/k norm")
@@ -231,7 +231,6 @@ def hf_config_from_args(args: LlamaArgs, *, dtype: str = "float32", max_position
         "hidden_act": "silu",
         "attention_bias": False,
         "max_position_embeddings": max_position_embeddings,
-        "dtype": dtype,
     }
 
 
@@ -375,8 +374,9 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     # The parameters themselves (detached views, DTensor shards as they are): dcp
     # copies each rank's slices into them in place.
     state = {names[n]: params[n].detach() for n in names}
+    reader = HuggingFaceStorageReader(str(path), thread_count=min(4, len(safetensors_files(path))))
     with torch.no_grad(), quiet_single_process():
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+        dcp.load(state, storage_reader=reader)
 
 
 @contextlib.contextmanager

@@ -5,11 +5,9 @@ The only place that needs the whole sequence is ``attention.inner`` (a
 :class:`~ulysses_dtensor.attention.LocalAttention`), which is what
 :class:`~ulysses_dtensor.ulysses.UlyssesAttention` is applied to.
 
-Rotary embeddings are computed on the fly from ``position_ids`` (there is no
-``max_seq_len`` table: sequences reach millions of tokens), in float64 so the
-angle of position 10^6 is still exact to float32, and applied on the local
-slice before the exchange. With global position ids (``shard_batch`` gives
-them) rope on a slice equals rope on the full sequence.
+Rotary embeddings (``rope.py``) are computed on the fly from ``position_ids``
+and applied on the local slice before the exchange. With global position ids
+(``shard_batch`` gives them) rope on a slice equals rope on the full sequence.
 
 The same module covers the Hugging Face families (see ``hf_checkpoint.py``):
 q/k/v bias (Qwen2), RMSNorm of q and k over head_dim (Qwen3), a head_dim that is
@@ -42,6 +40,7 @@ from ..attention import LocalAttention, check_backend
 from ..loss import sp_cross_entropy
 from ..suggest import unknown_name
 from .norm import RMSNorm
+from .rope import ROPE_LAYOUTS, apply_rope, rope_cos_sin, rope_frequencies
 from ..tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
 
 __all__ = [
@@ -119,8 +118,6 @@ class LlamaArgs:
         return self.explicit_head_dim or self.dim // self.n_heads
 
 
-ROPE_LAYOUTS = ("interleaved", "half")
-
 FLAVORS: dict[str, LlamaArgs] = {
     # Tiny: trains on CPU in tests. head_dim 8, GQA 2:1.
     "debug": LlamaArgs(
@@ -162,59 +159,6 @@ def llama_args(flavor: str, **overrides) -> LlamaArgs:
 
 def _unknown(what: str, name, valid) -> str:
     return unknown_name(what, name, sorted(valid))
-
-
-# ---------------------------------------------------------------------------
-# Rotary embeddings, computed from position ids
-# ---------------------------------------------------------------------------
-
-
-def rope_frequencies(args: LlamaArgs, device=None) -> Tensor:
-    """Inverse frequencies ``(head_dim/2,)`` in float64, Llama-3.1 scaled if enabled.
-
-    Wavelengths shorter than ``original_max_len / high_freq_factor`` are kept,
-    longer than ``original_max_len / low_freq_factor`` are divided by
-    ``rope_scaling_factor``, and those in between are interpolated smoothly.
-    """
-    hd = args.head_dim
-    inv_freq = args.rope_theta ** (
-        -torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd
-    )
-    if not args.rope_scaling:
-        return inv_freq
-    factor = args.rope_scaling_factor
-    low, high, orig = args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_original_max_len
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((orig / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    # smooth = 1 for short wavelens (kept), 0 for long ones (divided by factor).
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-
-
-def rope_cos_sin(position_ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """``(B, S)`` positions -> float32 ``cos, sin`` of shape ``(B, S, head_dim/2)``.
-
-    Angles are formed in float64: at position 10^6 a float32 product would be
-    off by up to 0.06 rad.
-    """
-    angles = position_ids.to(torch.float64)[..., None] * inv_freq.to(position_ids.device)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") -> Tensor:
-    """Rotate pairs of dims of ``x: (B, S, H, D)`` by the angles of ``cos, sin``.
-
-    ``"interleaved"``: pairs ``(x[2i], x[2i+1])`` (Meta's layout);
-    ``"half"``: pairs ``(x[i], x[i + D/2])`` (Hugging Face's rotate-half layout).
-    """
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    xf = x.float()
-    if layout == "half":
-        x0, x1 = xf.chunk(2, dim=-1)
-        return torch.cat([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).type_as(x)
-    xf = xf.unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
-    return out.type_as(x)
 
 
 # ---------------------------------------------------------------------------
