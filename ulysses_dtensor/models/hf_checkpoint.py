@@ -374,9 +374,10 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     # The parameters themselves (detached views, DTensor shards as they are): dcp
     # copies each rank's slices into them in place.
     state = {names[n]: params[n].detach() for n in names}
-    reader = HuggingFaceStorageReader(str(path), thread_count=min(4, len(safetensors_files(path))))
+    # One reader thread: one slice in flight, so a rank's peak host memory is its
+    # shard plus one tensor (threads would multiply the temporaries and malloc arenas).
     with torch.no_grad(), quiet_single_process():
-        dcp.load(state, storage_reader=reader)
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
 
 
 @contextlib.contextmanager
