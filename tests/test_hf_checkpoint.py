@@ -431,16 +431,23 @@ def test_trainer_from_hf_dir_resumes_and_exports(families, tmp_path):
 
 
 def test_trainer_config_with_hf_path(families, tmp_path):
-    from ulysses_dtensor.trainer.config import ConfigError, load_config, model_args, validate_config
+    from ulysses_dtensor.trainer.config import (
+        ConfigError, inactive_settings, load_config, model_args, validate_config)
     from ulysses_dtensor.trainer.hf_start import tokenizer_spec
 
     hf_dir = str(families["qwen3"][0])
     toml = REPO / "train_configs" / "debug_hf.toml"
     base = ["--config", str(toml), "--model.hf_path", hf_dir]
-    for extra, key in ((["--model.flavor", "debug"], "flavor"), (["--model.dim", "128"], "dim"),
+    # Keys hf_path makes meaningless: an error naming both keys when set alongside it ...
+    for extra, key in ((["--model.flavor", "llama3_8b"], "flavor"), (["--model.dim", "128"], "dim"),
                        (["--model.vocab_size", "512"], "vocab_size")):
-        with pytest.raises(ConfigError, match=rf"model\.{key}=.* and model\.hf_path=.* cannot both be set"):
+        with pytest.raises(ConfigError, match=rf"model\.{key}=.* has no effect: with model\.hf_path.*"
+                                              rf"model\.hf_path='{hf_dir}'"):
             load_config(base + extra)
+    # ... and accepted, listed as not in effect, when the command line's hf_path
+    # overrides a TOML file's flavor.
+    cfg = load_config(["--config", str(REPO / "train_configs" / "llama3_8b_128k.toml"), "--model.hf_path", hf_dir])
+    assert any(note.startswith("model.flavor='llama3_8b' (from the TOML file)") for note in inactive_settings(cfg))
     cfg = load_config(base)
     # Shapes from config.json (Qwen3: q/k norm, head_dim 16 != 64 / 8), the tokenizer
     # default 'byte' here (no tokenizer.json), an explicit one wins over the directory's.

@@ -4,8 +4,9 @@ With ``hf_path`` the model's shapes, vocabulary and rope come from
 ``DIR/config.json`` and its weights from ``DIR/*.safetensors`` (loaded after
 parallelize + ``to_empty``, in place of ``init_weights``; a resumed run takes
 them from its own checkpoint instead). The tokenizer is ``DIR/tokenizer.json``
-unless ``data.tokenizer`` is given. Keys that would then be ignored are an error
-when the user set them.
+unless ``data.tokenizer`` is given. The [model] keys that then have no effect
+are checked like every such key (``config_checks.EFFECT_RULES``): an error when
+the user set them in the same or a later source than ``hf_path``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from .config_schema import SOURCE_DEFAULT, ConfigError
+
 __all__ = [
     "HF_IGNORED_MODEL_KEYS",
-    "check_hf_exclusive_keys",
     "hf_model_args",
     "hf_source_config",
     "model_info",
@@ -29,25 +31,6 @@ HF_IGNORED_MODEL_KEYS = (
 )
 
 
-def _config_error(msg: str):
-    from .config import ConfigError
-
-    return ConfigError(msg)
-
-
-def check_hf_exclusive_keys(cfg, is_set) -> None:
-    """With ``model.hf_path``: ``is_set(section, key)`` must be false for every ignored key."""
-    if not cfg.model.hf_path:
-        return
-    for key in HF_IGNORED_MODEL_KEYS:
-        if is_set("model", key):
-            raise _config_error(
-                f"model.{key}={getattr(cfg.model, key)!r} and model.hf_path={cfg.model.hf_path!r} "
-                f"cannot both be set: with model.hf_path the model's shapes, vocabulary and rope "
-                f"come from {cfg.model.hf_path}/config.json; remove model.{key}"
-            )
-
-
 def hf_source_config(cfg) -> dict:
     """The parsed ``hf_path/config.json`` (ConfigError if it cannot be read)."""
     from ..models.hf_checkpoint import HFCheckpointError, read_hf_config
@@ -55,7 +38,7 @@ def hf_source_config(cfg) -> dict:
     try:
         return read_hf_config(cfg.model.hf_path)
     except HFCheckpointError as e:
-        raise _config_error(str(e)) from None
+        raise ConfigError(str(e)) from None
 
 
 def hf_model_args(cfg):
@@ -67,7 +50,7 @@ def hf_model_args(cfg):
         args = args_from_hf_config(hf_source_config(cfg), attn_backend=cfg.model.attn_backend, where=where)
         safetensors_files(cfg.model.hf_path)  # weights present (their names are checked at load)
     except HFCheckpointError as e:
-        raise _config_error(str(e)) from None
+        raise ConfigError(str(e)) from None
     return args
 
 
@@ -75,7 +58,7 @@ def tokenizer_spec(cfg) -> str:
     """``data.tokenizer``, or ``hf_path/tokenizer.json`` when that exists and
     ``data.tokenizer`` was left at its default."""
     d = cfg.data
-    explicit = "data.tokenizer" in getattr(cfg, "explicit_keys", ()) or d.tokenizer != "byte"
+    explicit = cfg.source_of("data.tokenizer") != SOURCE_DEFAULT or d.tokenizer != "byte"
     if cfg.model.hf_path and not explicit:
         tok = Path(cfg.model.hf_path) / "tokenizer.json"
         if tok.is_file():
