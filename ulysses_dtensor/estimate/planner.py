@@ -168,7 +168,7 @@ def plan_memory(
     from ..models.llama import FLAVORS
 
     flavor_vocab = FLAVORS[cfg.model.flavor].vocab_size
-    if vocab != flavor_vocab:
+    if vocab != flavor_vocab and not cfg.model.hf_path:  # hf_path: the model's own vocabulary
         notes.append(
             f"vocab {vocab} from data.tokenizer={cfg.data.tokenizer!r}; the flavor's own "
             f"vocabulary is {flavor_vocab} (plan it with --model.vocab_size {flavor_vocab})"
