@@ -240,7 +240,7 @@ def plan_memory(
         )
     notes.append("packed-document masking not modelled: traced as one causal document per row")
     return MemoryPlan(
-        flavor=cfg.model.flavor,
+        flavor=cfg.model.hf_path or cfg.model.flavor,
         world_size=world_size,
         dp_replicate=dims.dp_replicate,
         dp_shard=dims.dp_shard,

@@ -96,16 +96,19 @@ def _print0(*args) -> None:
         print(*args, flush=True)
 
 
-def build_model(cfg: JobConfig, pmesh, vocab_size: int, device: torch.device, *, init_weights: bool = True):
+def build_model(
+    cfg: JobConfig, pmesh, vocab_size: int, device: torch.device, *, init_weights: bool = True, args=None
+):
     """The parallelized Llama of ``cfg``, materialised on ``device`` (parameter
     shards on the host with ``memory.offload_params``), its weights loaded from
     ``model.hf_path`` (each rank reads its shards) or initialised from the seed.
     ``init_weights=False`` leaves the values uninitialised (memory planning, or
-    a checkpoint about to be loaded)."""
+    a checkpoint about to be loaded). ``args``: LlamaArgs to use instead of the
+    config's (the memory planner's shorter traces)."""
     from ..models.llama import Llama
     from ..parallelize import parallelize_llama
 
-    args = model_args(cfg, vocab_size)
+    args = args or model_args(cfg, vocab_size)
     with torch.device("meta"):
         model = Llama(args)
     ac = cfg.activation_checkpoint
