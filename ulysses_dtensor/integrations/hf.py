@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
+from ..attention import check_backend
 from ..batch import shard_batch
 from ..loss import IGNORE_INDEX
 from ..mesh import ParallelMesh
@@ -110,6 +111,7 @@ def parallelize_hf_model(
         )
     if compile and isinstance(compile_backend, str):
         _check_compile_backend(compile_backend)
+    check_backend(attn_backend)
 
     # 1. Ulysses: transformers' attention dispatch -> our exchange + local attention.
     register_ulysses_attention()
