@@ -42,7 +42,6 @@ _REFUSED_KWARGS = {
     "s_aux": "attention sinks",
     "cu_seq_lens_q": "transformers' own packed-sequence metadata (use shard_hf_batch's document ids)",
     "cu_seq_lens_k": "transformers' own packed-sequence metadata (use shard_hf_batch's document ids)",
-    "block_sequence_ids": "block-wise bidirectional masks",
 }
 
 
@@ -102,6 +101,8 @@ def ulysses_attention_forward(
             f"{name}: keys cover {key.shape[2]} positions but queries {query.shape[2]}: a KV cache "
             "(generation) is not supported under Ulysses SP; call the model with use_cache=False"
         )
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        raise ValueError(f"{name}: non-causal attention in {type(module).__name__} is not supported")
     for kw, what in _REFUSED_KWARGS.items():
         if kwargs.get(kw) is not None:
             raise ValueError(f"{name}: {what} ({kw}=...) is not supported by Ulysses attention")
