@@ -87,12 +87,14 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False):
         "--parallelism.sp", str(sp),
         "--parallelism.dp_shard", str(dp_shard),
     ]
+    feats = FEATURES[features]
     if quick:
         # A dim-64 model would get hundreds of automatic tiles: keep the smoke run quick.
-        argv += ["--memory.mlp_tiles", "4", "--memory.loss_chunks", "4"]
+        argv += ["--memory.mlp_tiles", "4"] if feats.get("tiled_mlp") else []
+        argv += ["--memory.loss_chunks", "4"] if feats.get("tiled_loss") else []
     else:
         argv += ["--model.vocab_size", str(VOCAB)]
-    for key, value in FEATURES[features].items():
+    for key, value in feats.items():
         argv += [f"--memory.{key}", "true" if value is True else str(value)]
     return load_config(argv), sp, dp_shard
 

@@ -27,7 +27,8 @@ SCHEDULE = {1: 64, 2: 64, 3: 64, 4: 128, 5: 128, 6: 128}
 BATCH = 4
 
 
-def _args(dump: Path, *extra: str) -> list[str]:
+def _args(dump: Path, *extra: str, checkpoints: bool = True) -> list[str]:
+    ckpt = ["--checkpoint.interval", "3"] if checkpoints else ["--checkpoint.enable", "false"]
     return [
         "--config", str(REPO / "train_configs" / "debug_model.toml"),
         "--job.dump_folder", str(dump),
@@ -35,8 +36,7 @@ def _args(dump: Path, *extra: str) -> list[str]:
         "--training.global_batch_size", str(BATCH),
         "--context.schedule", "1:64,4:128",
         "--lr_scheduler.warmup_steps", "2",
-        "--checkpoint.interval", "3",
-        "--checkpoint.keep_latest_k", "0",
+        *ckpt,
         "--metrics.log_freq", "1",
         *extra,
     ]
@@ -132,7 +132,7 @@ def test_mesh_independence(reference, tmp_path):
     ref = _rows(reference[0])
     by_world: dict[int, list] = {}
     for name, (mesh, extra) in MESHES.items():
-        argv = _args(tmp_path / name, *_mesh_args(*mesh), "--checkpoint.enable", "false", *extra)
+        argv = _args(tmp_path / name, *_mesh_args(*mesh), *extra, checkpoints=False)
         by_world.setdefault(mesh[0] * mesh[1] * mesh[2], []).append((argv, None))
     for world, jobs in sorted(by_world.items()):
         if world == 1:  # a world of one, as `python -m ulysses_dtensor.train` runs
