@@ -265,7 +265,7 @@ def _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_
         shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < n - 1)
     if head is not None and not tied:
         # Used last in forward and first in backward: never resharded in between.
-        norm = getattr(layers_parent(model, layers), "norm", None)
+        norm = getattr(_layers_parent(model, layers), "norm", None)
         shard([head] if norm is None else [norm, head], mp_policy=mp, reshard_after_forward=False)
     shard(
         model, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype),
@@ -278,7 +278,7 @@ def _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_
             module.set_force_sum_reduction_for_comms(True)
 
 
-def layers_parent(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+def _layers_parent(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
     """The module holding the decoder layer list (it also holds the final norm)."""
     for module in model.modules():
         if any(child is layers for child in module.children()):
