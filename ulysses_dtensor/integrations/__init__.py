@@ -1,0 +1,1 @@
+"""Plug-ins that bring Ulysses SP into other frameworks (each needs its extra)."""
