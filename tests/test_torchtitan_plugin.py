@@ -4,12 +4,16 @@ Parity (CPU, gloo, fp32): torchtitan's Llama-3 and Qwen3 decoders (their
 debug-model architecture, shrunk to 2 layers, dim 64, 8 heads and 2 kv heads so
 that kv heads < sp 4) parallelized by the plug-in's ``parallelize_fn`` (our
 Ulysses at ``layers.*.attention.inner_attention``, then torchtitan's own AC and
-FSDP2 over dp_shard x sp), fed by the plug-in's batch step and torchtitan's own
-token-weighted loss, give the loss and every parameter gradient of the same
-model unsharded in one process. Sequences of 29 tokens (not divisible by 2 or
-4), packed documents, labels with ignored tokens. The collective count per
-layer is the Ulysses minimum. torchtitan's trainer itself needs CUDA: the
-``gpu`` test runs it through our module.
+FSDP2 over dp_shard x sp) under sp 2, sp 4, dp_shard 2 x sp 2 and HSDP 2 x sp 2,
+fed by the plug-in's batch step and torchtitan's own token-weighted loss, give
+the loss and every parameter gradient of the same model unsharded in one
+process. Sequences of 29 tokens (divisible by neither 2 nor 4), packed
+documents, ignored labels; our inner attention and torchtitan's own SDPA. The
+collective count and bytes per layer are the Ulysses minimum.
+
+torchtitan's trainer itself needs CUDA: the ``gpu`` test runs it through our
+module (``scripts/torchtitan_check.py``, which also runs it on CPU ranks through
+a harness, too slow for this suite).
 """
 
 from __future__ import annotations
@@ -152,11 +156,11 @@ def reference(family: str, attention: str, docs: bool) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def build_parallel_dims(world: int, dp_shard: int, sp: int):
+def build_parallel_dims(world: int, dp_replicate: int, dp_shard: int, sp: int):
     import torchtitan.distributed.parallel_dims as pd
 
     dims = pd.ParallelDims(
-        dp_replicate=1, dp_shard=dp_shard, cp=sp, tp=1, pp=1, ep=1, world_size=world,
+        dp_replicate=dp_replicate, dp_shard=dp_shard, cp=sp, tp=1, pp=1, ep=1, world_size=world,
         spmd_backend="partial_dtensor",
     )
     # torchtitan picks its device type at import ("cuda" where none is found).
@@ -180,7 +184,7 @@ def run_case(world: int, case: dict) -> dict:
 
     family, attention, docs = case["model"], case.get("attention", "sdpa"), case.get("docs", True)
     sp, pack = case["sp"], case.get("pack_qkv", False)
-    dims = build_parallel_dims(world, case.get("dp_shard", 1), sp)
+    dims = build_parallel_dims(world, case.get("dp_replicate", 1), case.get("dp_shard", 1), sp)
     ref = reference(family, attention, docs)
 
     cfg = tiny_model_config(family, attention)
@@ -202,7 +206,7 @@ def run_case(world: int, case: dict) -> dict:
     with torch.no_grad():
         model.init_weights(buffer_device=None)  # buffers (rope caches)
         for name, p in model.named_parameters():
-            assert isinstance(p, DTensor), name  # FSDP2 over dp_shard x sp
+            assert isinstance(p, DTensor), name  # FSDP2 over dp_shard x sp (HSDP: x dp_replicate)
             full = ref["init"][canonical(name)]
             p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
 
@@ -284,12 +288,13 @@ def test_parity_sp2():
     _report(results)
 
 
-def test_parity_sp4_and_dp2_sp2():
+def test_parity_sp4_dp2_sp2_hsdp():
     results = run_ranks(4, parity_worker, [
         {"model": "llama3", "sp": 4},  # kv heads 2 < sp 4: replicated
         {"model": "qwen3", "sp": 4, "ac": "selective"},
         {"model": "llama3", "dp_shard": 2, "sp": 2, "ac": "full"},
         {"model": "qwen3", "dp_shard": 2, "sp": 2},
+        {"model": "qwen3", "dp_replicate": 2, "sp": 2, "pack_qkv": True},  # HSDP
     ])
     _report(results)
 
