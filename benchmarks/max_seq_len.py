@@ -12,7 +12,7 @@ then the CUDA context, NCCL buffers and caching-allocator fragmentation.
 
     python benchmarks/max_seq_len.py                      # the full table (~30-60 min on 2 cores)
     python benchmarks/max_seq_len.py --models llama3_8b --gpus 8 --features baseline all
-    python benchmarks/max_seq_len.py --quick              # smoke run: debug model, seconds
+    python benchmarks/max_seq_len.py --quick              # smoke run: debug model on 2 GPUs, seconds
 
 One JSON object per (model, GPUs, features) on stdout; a markdown table on
 stderr at the end (and in --table FILE); a PNG of planned peak vs sequence
@@ -87,12 +87,14 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False):
         "--parallelism.sp", str(sp),
         "--parallelism.dp_shard", str(dp_shard),
     ]
+    feats = FEATURES[features]
     if quick:
         # A dim-64 model would get hundreds of automatic tiles: keep the smoke run quick.
-        argv += ["--memory.mlp_tiles", "4", "--memory.loss_chunks", "4"]
+        argv += ["--memory.mlp_tiles", "4"] if feats.get("tiled_mlp") else []
+        argv += ["--memory.loss_chunks", "4"] if feats.get("tiled_loss") else []
     else:
         argv += ["--model.vocab_size", str(VOCAB)]
-    for key, value in FEATURES[features].items():
+    for key, value in feats.items():
         argv += [f"--memory.{key}", "true" if value is True else str(value)]
     return load_config(argv), sp, dp_shard
 
@@ -296,7 +298,7 @@ def main(argv=None) -> int:
                    help="also compare extrapolated and full traces at a quarter of each model's longest fit")
     p.add_argument("--table", help="also write the markdown table here")
     p.add_argument("--plot", help="write a PNG of planned peak vs sequence length")
-    p.add_argument("--quick", action="store_true", help="smoke run: debug model, 1-2 GPUs, tiny budget")
+    p.add_argument("--quick", action="store_true", help="smoke run: debug model, 2 GPUs, tiny budget")
     p.add_argument("--from-jsonl", nargs="+", metavar="FILE",
                    help="no planning: rebuild the table (and --plot) from saved JSON lines")
     p.add_argument("--sweep", nargs=2, metavar=("MODEL", "GPUS"),
@@ -305,7 +307,7 @@ def main(argv=None) -> int:
                    default=[131072, 262144, 524288, 1048576, 2097152, 4194304])
     ns = p.parse_args(argv)
     if ns.quick:
-        ns.models, ns.gpus, ns.features = ["debug"], [1, 2], ["baseline", "all"]
+        ns.models, ns.gpus, ns.features = ["debug"], [2], ["baseline", "all"]
         ns.budget_gib, ns.headroom_gib, ns.granularity = 0.02, 0.0, 64
 
     def log(msg: str) -> None:

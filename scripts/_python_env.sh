@@ -1,19 +1,70 @@
-# Sourced by run_train.sh / run_tests.sh: pick a Python that has torch.
-# The active one is used when it already has torch; otherwise .venv is made
-# and the pinned CPU-or-CUDA torch is installed FIRST, so that installing this
-# package (torch>=2.11) does not pull a different build.
+# Sourced by run_train.sh / run_tests.sh: find or make a Python, install this
+# package WITH its dependencies into it, and export PY (the interpreter) and ROOT.
+#
+# Which Python:
+#   $PYTHON if set; else the active virtualenv ($VIRTUAL_ENV); else python3 when it
+#   already has torch (e.g. a GPU machine's CUDA build); else ./.venv, created here.
+# What is installed, in this order, only when missing:
+#   1. torch: the pinned $TORCH_PIN (default torch==2.13.0) FIRST. Installing the
+#      package first would let pip resolve torch>=2.11 to the newest CUDA build.
+#   2. the package, editable, with its dependencies and the extras in $EXTRAS
+#      (run_tests.sh: test). Skipped while pyproject.toml and the extras are those
+#      of the last install into this interpreter (a stamp file beside it).
+# Setup prints one line per step; pip's own output goes to $SETUP_LOG and is
+# shown only when a step fails.
 TORCH_PIN="${TORCH_PIN:-torch==2.13.0}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if python3 -c "import torch" >/dev/null 2>&1; then
+EXTRAS="${EXTRAS:-}"
+
+_setup_step() {  # _setup_step "what" cmd...: run quietly, show the log on failure
+    local what="$1"; shift
+    local t0=$SECONDS
+    printf 'setup: %s ... ' "$what" >&2
+    if "$@" >>"$SETUP_LOG" 2>&1; then
+        echo "done ($((SECONDS - t0)) s)" >&2
+    else
+        echo "FAILED; the last lines of $SETUP_LOG:" >&2
+        tail -n 30 "$SETUP_LOG" >&2
+        exit 1
+    fi
+}
+
+if [ -n "${PYTHON:-}" ]; then
+    PY="$(command -v "$PYTHON")"
+elif [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
+    PY="$VIRTUAL_ENV/bin/python"
+elif command -v python3 >/dev/null 2>&1 && python3 -c "import torch" >/dev/null 2>&1; then
     PY="$(command -v python3)"
 else
-    if [ ! -x "$ROOT/.venv/bin/python" ]; then
-        python3 -m venv "$ROOT/.venv"
-    fi
     PY="$ROOT/.venv/bin/python"
-    "$PY" -c "import torch" >/dev/null 2>&1 || "$PY" -m pip install -q "$TORCH_PIN"
+    if [ ! -x "$PY" ]; then
+        SETUP_LOG="$ROOT/.venv-setup.log"
+        : >"$SETUP_LOG"
+        _setup_step "creating $ROOT/.venv" python3 -m venv "$ROOT/.venv"
+    fi
 fi
-# Editable install without touching dependencies (torch is already there).
-"$PY" -c "import ulysses_dtensor" >/dev/null 2>&1 || (cd "$ROOT" && "$PY" -m pip install -q --no-deps --no-build-isolation -e .)
-"$PY" -c "import tomllib" >/dev/null 2>&1 || "$PY" -m pip install -q tomli
+PREFIX="$("$PY" -c 'import sys; print(sys.prefix)')"
+SETUP_LOG="${SETUP_LOG:-$PREFIX/ulysses-dtensor-setup.log}"
+[ -w "$(dirname "$SETUP_LOG")" ] || SETUP_LOG="$(mktemp -t ulysses-dtensor-setup.XXXXXX)"
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    _setup_step "installing $TORCH_PIN into $PREFIX" "$PY" -m pip install -q "$TORCH_PIN"
+fi
+
+# One line per install: "<cksum of pyproject.toml> <root> extras=<extras>". The
+# base package is satisfied by any install of this pyproject (extras add to it).
+stamp="$PREFIX/ulysses-dtensor-setup.stamp"
+key="$(cksum <"$ROOT/pyproject.toml" | cut -d' ' -f1) $ROOT"
+extras="${EXTRAS:+[$EXTRAS]}"
+if [ -n "$EXTRAS" ]; then
+    grep -qxF "$key extras=$EXTRAS" "$stamp" 2>/dev/null && installed=1 || installed=0
+else
+    grep -qF "$key extras=" "$stamp" 2>/dev/null && installed=1 || installed=0
+fi
+if [ "$installed" = 0 ] || ! "$PY" -c "import ulysses_dtensor" >/dev/null 2>&1; then
+    # torch is already there and satisfies torch>=2.11: pip keeps that build.
+    _setup_step "installing ulysses-dtensor$extras and its dependencies into $PREFIX" \
+        "$PY" -m pip install -q -e "$ROOT$extras"
+    echo "$key extras=$EXTRAS" >>"$stamp" 2>/dev/null || true
+fi
 export PY ROOT

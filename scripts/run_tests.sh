@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the test suite. Extra args go to pytest.
+# Set up (if needed) and run the test suite; extra args go to pytest.
+#
+#   bash scripts/run_tests.sh                      # everything (CPU; GPU tests skip without CUDA)
+#   bash scripts/run_tests.sh tests/test_data.py   # one file
+#
+# Setup (scripts/_python_env.sh): the active Python or ./.venv, pinned torch first,
+# then this package with the `test` extra (pytest, transformers, tokenizers, ...).
 set -euo pipefail
+EXTRAS="${EXTRAS:-test}"
 source "$(dirname "${BASH_SOURCE[0]}")/_python_env.sh"
-"$PY" -c "import pytest" >/dev/null 2>&1 || "$PY" -m pip install -q pytest
 cd "$ROOT"
-exec "$PY" -m pytest -q "$@"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "$PY" -m pytest -q -p no:cacheprovider --durations=15 "$@"

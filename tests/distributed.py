@@ -76,7 +76,10 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
         except BaseException:  # noqa: BLE001 - report everything, the pool is discarded
             results.put((rank, False, traceback.format_exc()))
             break
-    # A finished rank skips interpreter teardown (see ulysses_dtensor.runtime.exit_process).
+    # The queue hands reports to a feeder thread: flush it before leaving. A
+    # finished rank then skips interpreter teardown (ulysses_dtensor.runtime.exit_process).
+    results.close()
+    results.join_thread()
     from ulysses_dtensor.runtime import exit_process
 
     exit_process(0)

@@ -9,6 +9,7 @@ import pytest
 
 from ulysses_dtensor.schedule import Stage
 from ulysses_dtensor.trainer.config import (
+    inactive_settings,
     ConfigError,
     JobConfig,
     config_help,
@@ -50,7 +51,7 @@ seed = 7
 dump_folder = "from_toml"
 [training]
 steps = 20
-seq_len = 256
+max_norm = 0.5
 [optimizer]
 lr = 1
 betas = [0.8, 0.9]
@@ -60,7 +61,7 @@ schedule = [{start_step = 1, seq_len = 64}, {start_step = 5, seq_len = 128}]
     c = load_config(["--config", path, "--training.steps=30", "--job.seed", "9",
                      "--training.compile", "true", "--metrics.enable_tensorboard"])
     assert c.job.seed == 9 and c.training.steps == 30          # CLI wins
-    assert c.job.dump_folder == "from_toml" and c.training.seq_len == 256  # TOML wins
+    assert c.job.dump_folder == "from_toml" and c.training.max_norm == 0.5  # TOML wins
     assert c.optimizer.lr == 1.0 and isinstance(c.optimizer.lr, float)
     assert c.optimizer.betas == [0.8, 0.9]
     assert c.training.compile is True and c.metrics.enable_tensorboard is True
@@ -163,16 +164,12 @@ def test_missing_files_and_unknown_flavor(tmp_path):
     one_error(load_config, ["--config", str(tmp_path / "missing.toml")], match="no such file")
 
 
-def test_tokenizers_extra_message(tmp_path):
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        tok = tmp_path / "tokenizer.json"
-        tok.write_text("{}")
-        c = parse_config({"data": {"tokenizer": str(tok)}})
-        one_error(validate_config, c, 1, match=r"pip install 'ulysses-dtensor\[tokenizers\]'")
-    else:
-        pytest.skip("tokenizers is installed")
+def test_tokenizers_extra_message(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    c = parse_config({"data": {"tokenizer": str(tok)}})
+    one_error(validate_config, c, 1, match=r"pip install 'ulysses-dtensor\[tokenizers\]'")
 
 
 def test_shipped_configs_parse():
@@ -182,33 +179,54 @@ def test_shipped_configs_parse():
         validate_config(c, n)
 
 
-@pytest.mark.parametrize("args, match", [
+BAD_CLI = [
     (["--parallelism.sp", "3"], "world_size=1 is not divisible"),
     (["--training.seq_len", "100", "--parallelism.sp", "1", "--data.path", "/no/such/file.txt"],
      "does not exist"),
     (["--trainng.steps", "2"], "did you mean 'training'"),
-])
-def test_bad_config_cli_exits_before_work(tmp_path, args, match):
-    dump = tmp_path / "dump"
+]
+
+
+def _bad_cli_argv(tmp_path, args):
+    return ["--config", str(REPO / "train_configs" / "debug_model.toml"),
+            "--job.dump_folder", str(tmp_path / "dump"), "--checkpoint.enable", "true", *args]
+
+
+@pytest.mark.parametrize("args, match", BAD_CLI)
+def test_bad_config_exits_before_work(tmp_path, capsys, monkeypatch, args, match):
+    """The trainer's entry point: exit status 2, one line on stderr, nothing created."""
+    from ulysses_dtensor.train import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(_bad_cli_argv(tmp_path, args))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+    assert err.count("config error:") == 1 and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_config_cli_process_exits_before_work(tmp_path):
+    """The same through a real `python -m ulysses_dtensor.train` process."""
+    args, match = BAD_CLI[0]
     proc = subprocess.run(
-        [sys.executable, "-m", "ulysses_dtensor.train",
-         "--config", str(REPO / "train_configs" / "debug_model.toml"),
-         "--job.dump_folder", str(dump), "--checkpoint.enable", "true", *args],
+        [sys.executable, "-m", "ulysses_dtensor.train", *_bad_cli_argv(tmp_path, args)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 2, proc.stderr
-    assert match in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert match in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("config error:") == 1
-    assert not dump.exists() and list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_memory_section_parses_and_offload_needs_full_ac():
     from ulysses_dtensor.trainer.config import ConfigError, parse_config
 
     cfg = parse_config(
-        {"memory": {"tiled_mlp": True, "loss_chunks": 4}, "activation_checkpoint": {"mode": "full"}},
+        {"memory": {"tiled_mlp": True, "tiled_loss": True, "loss_chunks": 4},
+         "activation_checkpoint": {"mode": "full"}},
         [("memory.offload_activations", "true")],
     )
     assert (cfg.memory.tiled_mlp, cfg.memory.loss_chunks, cfg.memory.offload_activations) == (True, 4, True)
@@ -216,3 +234,104 @@ def test_memory_section_parses_and_offload_needs_full_ac():
         parse_config({"memory": {"offload_activations": True}})
     with pytest.raises(ConfigError, match=r"memory.mlp_tiles=-1 must be >= 0"):
         parse_config({"memory": {"mlp_tiles": -1}})
+
+
+# --------------------------------------------------------------------------- #
+# No setting is silently ignored
+# --------------------------------------------------------------------------- #
+
+# key -> (a non-default value, the switch settings that make it take effect)
+EFFECT_CASES = {
+    "training.seq_len": ("512", []),  # (with no schedule it is the one stage)
+    "training.tokens_per_step": ("4096", ["--context.constant_tokens_per_step", "true"]),
+    "training.global_batch_size": ("4", []),
+    "training.compile_backend": ("aot_eager", ["--training.compile", "true"]),
+    "training.pack_qkv": ("true", ["--parallelism.sp", "2"]),
+    "activation_checkpoint.selective": ("2", ["--activation_checkpoint.mode", "selective"]),
+    "memory.mlp_tiles": ("4", ["--memory.tiled_mlp", "true"]),
+    "memory.loss_chunks": ("4", ["--memory.tiled_loss", "true"]),
+    "checkpoint.folder": ("ckpts", ["--checkpoint.enable", "true"]),
+    "checkpoint.interval": ("7", ["--checkpoint.enable", "true"]),
+    "checkpoint.keep_latest_k": ("2", ["--checkpoint.enable", "true"]),
+    "lr_scheduler.decay": ("cosine", ["--lr_scheduler.warmup_steps", "2"]),
+    "lr_scheduler.min_lr_ratio": ("0.1", []),
+    "model.vocab_multiple_of": ("128", []),
+    "data.max_corpus_mb": ("1", []),
+}
+# What turns each off (the defaults already do for the others).
+EFFECT_OFF = {
+    "training.seq_len": ["--context.schedule", "1:64,3:128"],
+    "training.global_batch_size": ["--context.constant_tokens_per_step", "true",
+                                   "--training.tokens_per_step", "4096"],
+    "lr_scheduler.decay": ["--lr_scheduler.warmup_steps", "10"],
+    "lr_scheduler.min_lr_ratio": ["--lr_scheduler.decay", "none"],
+    "model.vocab_multiple_of": ["--model.vocab_size", "512"],
+    "data.max_corpus_mb": ["--data.path", "corpus.txt"],
+}
+
+
+def test_every_effect_rule_is_tested():
+    from ulysses_dtensor.trainer.config_checks import EFFECT_RULES
+
+    assert {r.key for r in EFFECT_RULES} == set(EFFECT_CASES)
+
+
+@pytest.mark.parametrize("key", sorted(EFFECT_CASES))
+def test_a_setting_without_effect_is_an_error_naming_both_keys(key, tmp_path):
+    value, switch_on = EFFECT_CASES[key]
+    off = EFFECT_OFF.get(key, [])
+    base = ["--training.steps", "10"]
+    if key == "training.seq_len":  # both on one command line contradict each other
+        msg = one_error(load_config, [*base, *off, f"--{key}", value], match="both set the sequence length")
+        assert "training.seq_len=512" in msg and "context.schedule=1:64,3:128" in msg
+        return
+    msg = one_error(load_config, [*base, *off, f"--{key}", value], match="has no effect")
+    assert msg.startswith(f"{key}=") and "(from the command line)" in msg
+    switches = [a[2:] for a in (off or switch_on) if a.startswith("--")]
+    assert any(s in msg for s in switches), msg
+    if not off:  # switched on, the same setting is accepted
+        c = load_config([*base, *switch_on, f"--{key}", value])
+        assert inactive_settings(c) == []
+
+
+def test_a_later_source_may_switch_a_setting_off(tmp_path):
+    """A TOML's checkpoint cadence under --checkpoint.enable false: accepted, listed."""
+    path = write(tmp_path, "[checkpoint]\nenable = true\ninterval = 7\n")
+    c = load_config(["--config", path, "--checkpoint.enable", "false"])
+    assert inactive_settings(c) == [
+        "checkpoint.interval=7 (from the TOML file): checkpoint.enable=false (from the command line)"
+    ]
+    # The other way round is the user's own contradiction.
+    path = write(tmp_path, "[checkpoint]\nenable = false\n", "off.toml")
+    one_error(load_config, ["--config", path, "--checkpoint.interval", "7"], match="has no effect")
+
+
+def test_seq_len_versus_schedule_the_later_source_wins(tmp_path):
+    debug = str(REPO / "train_configs" / "debug_model.toml")
+    # The issue's example: honoured, then checked against sp like any stage.
+    c = load_config(["--config", debug, "--training.seq_len", "1001", "--parallelism.sp", "2"])
+    assert c.stages() == [Stage(1, 1001)] and inactive_settings(c) == []
+    msg = one_error(validate_config, c, 4, match=r"training.seq_len=1001 .*not a multiple of parallelism.sp=2")
+    assert "context.schedule" not in msg
+    c = load_config(["--config", debug, "--training.seq_len", "512"])
+    assert c.stages() == [Stage(1, 512)]
+    path = write(tmp_path, "[training]\nseq_len = 256\n")
+    c = load_config(["--config", path, "--context.schedule", "1:64,3:128"])
+    assert c.stages() == [Stage(1, 64), Stage(3, 128)]
+    assert inactive_settings(c) == [
+        "training.seq_len=256 (from the TOML file): context.schedule=1:64,3:128 (from the command line)"
+    ]
+    path = write(tmp_path, "[training]\nseq_len = 256\n[context]\nschedule = [{start_step = 1, seq_len = 64}]\n", "both.toml")
+    one_error(load_config, ["--config", path], match=r"training.seq_len=256 \(from the TOML file\) and context.schedule")
+
+
+def test_settings_that_depend_on_the_world_or_the_data(tmp_path):
+    c = parse_config({"training": {"global_batch_size": 8}}, [("training.micro_batch_size", "4")])
+    validate_config(c, 1)  # 8 sequences on one rank: 2 passes of 4
+    one_error(validate_config, c, 2, match=r"training.micro_batch_size=4 .*no effect.*at most 4 per step")
+    txt = tmp_path / "doc.txt"
+    txt.write_text("some text")
+    c = parse_config({"data": {"path": str(txt), "text_key": "body"}})
+    one_error(validate_config, c, 1, match=r"data.text_key='body' \(from the TOML file\) has no effect.*\.jsonl")
+    (tmp_path / "more.jsonl").write_text('{"body": "x"}\n')
+    validate_config(parse_config({"data": {"path": str(tmp_path), "text_key": "body"}}), 1)

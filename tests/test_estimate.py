@@ -419,39 +419,40 @@ def test_plan_reports_categories_that_sum_to_the_peak():
 # --------------------------------------------------------------------------- #
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-m", "ulysses_dtensor.estimate", *args],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
-    )
+def _cli(capsys, *args: str):
+    """``python -m ulysses_dtensor.estimate ARGS`` in this process: (exit code, stdout, stderr)."""
+    from ulysses_dtensor.estimate.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_cli_prints_the_breakdown():
-    r = _cli("--config", "train_configs/debug_model.toml", "--world-size", "4")
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
+def test_cli_prints_the_breakdown(capsys):
+    code, out, err = _cli(capsys, "--config", str(ROOT / "train_configs/debug_model.toml"), "--world-size", "4")
+    assert code == 0, err
     assert "PLANNED per-rank peak memory" in out
     for label in ("optimizer state", "parameters, sharded", "activations", "peak by phase"):
         assert label in out, out
     assert "max_memory_allocated" in out
 
 
-def test_cli_reports_a_bad_config_clearly():
-    r = _cli("--config", "train_configs/debug_model.toml", "--world-size", "3")
-    assert r.returncode == 2
-    assert "error:" in r.stderr and "parallelism" in r.stderr
+def test_cli_reports_a_bad_config_clearly(capsys):
+    code, _, err = _cli(capsys, "--config", str(ROOT / "train_configs/debug_model.toml"), "--world-size", "3")
+    assert code == 2
+    assert "error:" in err and "parallelism" in err
 
 
-def test_cli_max_seq_len_fits_and_the_next_step_does_not():
+def test_cli_max_seq_len_fits_and_the_next_step_does_not(capsys):
     budget, headroom, gran = 0.03, 0.0, 64
-    r = _cli(
-        "--config", "train_configs/debug_model.toml", "--world-size", "2", "--parallelism.sp", "2",
-        "--max-seq-len", "--budget-gib", str(budget), "--headroom-gib", str(headroom),
-        "--granularity", str(gran), "--device", "cpu", "--json",
+    code, out, err = _cli(
+        capsys, "--config", str(ROOT / "train_configs/debug_model.toml"), "--world-size", "2",
+        "--parallelism.sp", "2", "--max-seq-len", "--budget-gib", str(budget),
+        "--headroom-gib", str(headroom), "--granularity", str(gran), "--device", "cpu", "--json",
     )
-    assert r.returncode == 0, r.stderr
-    res = json.loads(r.stdout)
+    assert code == 0, err
+    res = json.loads(out)
     best = res["max_seq_len"]
     assert best > 0 and best % (gran * 2) == 0
     cfg = load_config(["--config", str(ROOT / "train_configs/debug_model.toml"), "--parallelism.sp", "2"])
@@ -477,7 +478,8 @@ def test_max_seq_len_benchmark_smoke_run():
     )
     assert r.returncode == 0, r.stderr
     recs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(recs) == 4 and all(x["bench"] == "max_seq_len" for x in recs)
+    assert len(recs) == 2 and all(x["bench"] == "max_seq_len" for x in recs)
+    assert {x["features"] for x in recs} == {"baseline", "all"}
     for x in recs:
         assert x["planned_max_seq_len"] > 0
         limit = (x["budget_gib"] - x["headroom_gib"]) * GIB

@@ -1,9 +1,12 @@
-"""End to end: torchrun + TOML config, stage change, mesh independence, resume.
+"""End to end: the README's main command, stage change, mesh independence, resume.
 
-One 4-rank run (dp_shard 2 x sp 2) with a stage change (64 -> 128 tokens at
-step 4) and checkpoints at steps 3 and 6 serves as the reference; the same job
-on meshes (1,1,1) and (1,1,2), and resumed from its step-3 checkpoint, must give
-the same per-step losses.
+The reference is the README's own main command, ``bash scripts/run_train.sh``
+(torchrun, 4 CPU ranks: dp_shard 2 x sp 2, the debug TOML), with a stage change
+(64 -> 128 tokens at step 4) and checkpoints at steps 3 and 6. The same job on
+other meshes, and resumed from its step-3 checkpoint, must give the same
+per-step losses. Those runs call the trainer in-process: on the live gloo ranks
+of tests/distributed.py, or in this process for a world of one (what
+``python -m ulysses_dtensor.train`` does).
 """
 
 import json
@@ -15,34 +18,55 @@ from pathlib import Path
 
 import pytest
 
+from distributed import run_ranks
+from ulysses_dtensor.trainer.config import load_config
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
 SCHEDULE = {1: 64, 2: 64, 3: 64, 4: 128, 5: 128, 6: 128}
 BATCH = 4
 
 
-def _run(dump: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
-    args = [
+def _args(dump: Path, *extra: str, checkpoints: bool = True) -> list[str]:
+    ckpt = ["--checkpoint.interval", "3"] if checkpoints else ["--checkpoint.enable", "false"]
+    return [
         "--config", str(REPO / "train_configs" / "debug_model.toml"),
         "--job.dump_folder", str(dump),
         "--training.steps", str(STEPS),
         "--training.global_batch_size", str(BATCH),
         "--context.schedule", "1:64,4:128",
         "--lr_scheduler.warmup_steps", "2",
-        "--checkpoint.interval", "3",
-        "--checkpoint.keep_latest_k", "0",
+        *ckpt,
         "--metrics.log_freq", "1",
         *extra,
     ]
-    if nproc == 1:  # no torchrun: a world of one
-        cmd = [sys.executable, "-m", "ulysses_dtensor.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", "-m", "ulysses_dtensor.train", *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{cmd}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-5000:]}"
-    return proc
+
+
+def _mesh_args(rep: int, shard: int, sp: int) -> list[str]:
+    return ["--parallelism.dp_replicate", str(rep), "--parallelism.dp_shard", str(shard),
+            "--parallelism.sp", str(sp)]
+
+
+def _train(argv: list[str]) -> None:
+    from ulysses_dtensor.trainer.loop import train
+
+    train(load_config(argv))
+
+
+def _jobs_worker(rank: int, world: int, jobs: list) -> None:
+    """Run several trainer jobs one after the other on this pool's ranks.
+
+    A job is (argv, checkpoint to copy into its dump folder first, or None).
+    """
+    import torch.distributed as dist
+
+    for argv, seed_ckpt in jobs:
+        if seed_ckpt is not None:
+            if rank == 0:
+                src, dst = seed_ckpt
+                shutil.copytree(src, dst)
+            dist.barrier()
+        _train(argv)
 
 
 def _rows(dump: Path) -> list[dict]:
@@ -52,13 +76,19 @@ def _rows(dump: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The README main command (scripts/run_train.sh) on 4 CPU ranks."""
     dump = tmp_path_factory.mktemp("ref")
-    proc = _run(dump, 4, "--parallelism.dp_shard", "2", "--parallelism.sp", "2")
+    env = {**os.environ, "PYTHON": sys.executable, "NPROC": "4", "OMP_NUM_THREADS": "1"}
+    cmd = ["bash", str(REPO / "scripts" / "run_train.sh"),
+           *_args(dump, "--parallelism.dp_shard", "2", "--parallelism.sp", "2")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{cmd}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-5000:]}"
     return dump, proc
 
 
 def test_end_to_end_4_ranks(reference):
     dump, proc = reference
+    assert "run_train.sh: 4 ranks (CPU, gloo)" in proc.stderr
     rows = _rows(dump)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["seq_len"] for r in rows] == [SCHEDULE[s] for s in range(1, STEPS + 1)]
@@ -80,56 +110,64 @@ def test_end_to_end_4_ranks(reference):
     assert state["data"]["tokens_seen"] == seen[-1]
 
 
-@pytest.mark.parametrize("mesh, extra", [
-    ((1, 1, 1), ()),
-    ((1, 1, 1), ("--training.micro_batch_size", "1")),  # 4 accumulated micro-batches
-    ((1, 1, 2), ()),
-    ((2, 1, 2), ()),  # HSDP: replicate x (shard x sp)
-    ((1, 1, 2), ("--memory.offload_params", "true")),  # AdamW on host-offloaded shards
-], ids=["1x1x1", "1x1x1-micro1", "1x1x2", "2x1x2", "1x1x2-offload_params"])
-def test_mesh_independence(reference, tmp_path, mesh, extra):
+def _assert_same_trajectory(rows: list[dict], ref: list[dict], label: str) -> None:
+    assert [r["tokens_seen"] for r in rows] == [r["tokens_seen"] for r in ref], label
+    for a, b in zip(rows, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (label, a["step"], a["loss"], b["loss"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (label, a["step"])
+
+
+# (dp_replicate, dp_shard, sp), extra args
+MESHES = {
+    "1x1x1": ((1, 1, 1), ()),
+    "1x1x1-micro1": ((1, 1, 1), ("--training.micro_batch_size", "1")),  # 4 accumulated micro-batches
+    "1x1x2": ((1, 1, 2), ()),
+    "1x1x2-offload_params": ((1, 1, 2), ("--memory.offload_params", "true")),  # AdamW on host shards
+    "2x1x2": ((2, 1, 2), ()),  # HSDP: replicate x (shard x sp)
+}
+
+
+def test_mesh_independence(reference, tmp_path):
     """Same seed and global batch: the same losses on every mesh (dp_replicate, dp_shard, sp)."""
     ref = _rows(reference[0])
-    rep, shard, sp = mesh
-    _run(tmp_path, rep * shard * sp, "--parallelism.dp_replicate", str(rep),
-         "--parallelism.dp_shard", str(shard), "--parallelism.sp", str(sp),
-         "--checkpoint.enable", "false", *extra)
-    rows = _rows(tmp_path)
-    assert [r["tokens_seen"] for r in rows] == [r["tokens_seen"] for r in ref]
-    for a, b in zip(rows, ref):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    assert not (tmp_path / "checkpoint").exists()
+    by_world: dict[int, list] = {}
+    for name, (mesh, extra) in MESHES.items():
+        argv = _args(tmp_path / name, *_mesh_args(*mesh), *extra, checkpoints=False)
+        by_world.setdefault(mesh[0] * mesh[1] * mesh[2], []).append((argv, None))
+    for world, jobs in sorted(by_world.items()):
+        if world == 1:  # a world of one, as `python -m ulysses_dtensor.train` runs
+            for argv, _ in jobs:
+                _train(argv)
+        else:
+            run_ranks(world, _jobs_worker, jobs)
+    for name in MESHES:
+        _assert_same_trajectory(_rows(tmp_path / name), ref, name)
+        assert not (tmp_path / name / "checkpoint").exists()
 
 
-def test_resume_across_stage_change(reference, tmp_path):
-    """Resume at step 3 (the next step starts the 128-token stage): same losses."""
+def test_resume_across_stage_change_and_into_offloaded_parameters(reference, tmp_path):
+    """Resume at step 3 (the next step starts the 128-token stage): the same losses;
+    also when the device-parameter checkpoint resumes into memory.offload_params
+    (shards and AdamW state in host memory). A save a kill cut short is ignored."""
     ref_dump, _ = reference
-    shutil.copytree(ref_dump / "checkpoint" / "step-3", tmp_path / "checkpoint" / "step-3")
-    # A save that a kill interrupted must be ignored.
-    (tmp_path / "checkpoint" / "step-5.tmp").mkdir()
-    proc = _run(tmp_path, 4, "--parallelism.dp_shard", "2", "--parallelism.sp", "2")
-    assert "resumed from" in proc.stdout and "step 3" in proc.stdout
-    rows = _rows(tmp_path)
+    step3 = ref_dump / "checkpoint" / "step-3"
+    plain, offload = tmp_path / "resume", tmp_path / "resume_offload"
+    (plain / "checkpoint" / "step-5.tmp").mkdir(parents=True)  # an interrupted save
+    mesh = _mesh_args(1, 2, 2)
+    jobs = [
+        (_args(plain, *mesh), (str(step3), str(plain / "checkpoint" / "step-3"))),
+        (_args(offload, *mesh, "--memory.offload_params", "true"),
+         (str(step3), str(offload / "checkpoint" / "step-3"))),
+    ]
+    run_ranks(4, _jobs_worker, jobs)
     ref = {r["step"]: r for r in _rows(ref_dump)}
-    assert [r["step"] for r in rows] == [4, 5, 6]
-    for r in rows:
-        assert r["seq_len"] == ref[r["step"]]["seq_len"]
-        assert r["tokens_seen"] == ref[r["step"]]["tokens_seen"]
-        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6, abs=0)
-        assert r["lr"] == pytest.approx(ref[r["step"]]["lr"])
-
-
-def test_resume_into_host_offloaded_parameters(reference, tmp_path):
-    """A checkpoint saved with parameters on the device resumes into
-    memory.offload_params (shards and AdamW state in host memory): same losses."""
-    ref_dump, _ = reference
-    shutil.copytree(ref_dump / "checkpoint" / "step-3", tmp_path / "checkpoint" / "step-3")
-    _run(tmp_path, 4, "--parallelism.dp_shard", "2", "--parallelism.sp", "2",
-         "--memory.offload_params", "true")
-    ref = {r["step"]: r for r in _rows(ref_dump)}
-    rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == [4, 5, 6]
-    for r in rows:
-        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6, abs=0)
-        assert r["grad_norm"] == pytest.approx(ref[r["step"]]["grad_norm"], rel=1e-5)
+    for dump in (plain, offload):
+        rows = _rows(dump)
+        assert [r["step"] for r in rows] == [4, 5, 6], dump.name
+        for r in rows:
+            assert r["seq_len"] == ref[r["step"]]["seq_len"]
+            assert r["tokens_seen"] == ref[r["step"]]["tokens_seen"]
+            assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6, abs=0), dump.name
+            assert r["lr"] == pytest.approx(ref[r["step"]]["lr"])
+            assert r["grad_norm"] == pytest.approx(ref[r["step"]]["grad_norm"], rel=1e-5)
+    assert sorted(p.name for p in (plain / "checkpoint").iterdir()) == ["step-3", "step-6"]  # the interrupted save is gone

@@ -55,10 +55,22 @@ __all__ = [
     "TokenStream",
     "PackedLoader",
     "DATA_SUFFIXES",
+    "DataError",
+    "TOKENIZERS_EXTRA_MSG",
     "data_files",
 ]
 
 DATA_SUFFIXES = (".txt", ".jsonl")
+
+
+class DataError(ValueError):
+    """Unusable training data; the message names the file (and line) and what is wrong."""
+
+
+TOKENIZERS_EXTRA_MSG = (
+    "data.tokenizer={path!r} is an HF tokenizer.json, which needs the optional "
+    "'tokenizers' package: pip install 'ulysses-dtensor[tokenizers]'"
+)
 _SKIP_DIRS = {"test", "tests", "site-packages", "dist-packages", "__pycache__", "idlelib"}
 
 
@@ -102,8 +114,6 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            from .trainer.config import TOKENIZERS_EXTRA_MSG
-
             raise ImportError(TOKENIZERS_EXTRA_MSG.format(path=str(path))) from None
         self.name = str(path)
         self._tok = Tokenizer.from_file(str(path))
@@ -224,7 +234,10 @@ class FileCorpus(DocumentSource):
                         self.index.append((f, offset))
                     offset += len(line)
         if not self.index:
-            raise ValueError(f"data.path={str(path)!r} holds no documents")
+            raise DataError(
+                f"data.path={str(path)!r} holds no documents: its .jsonl files have no "
+                f"non-blank line"
+            )
 
     def __len__(self) -> int:
         return len(self.index)

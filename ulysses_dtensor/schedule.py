@@ -43,15 +43,17 @@ class ContextSchedule:
         *,
         global_batch_size: int | None = None,
         tokens_per_step: int | None = None,
+        length_key: str | None = None,
     ):
+        # The config key messages name for a stage's length: the schedule's
+        # entry, or e.g. "training.seq_len" when that made the only stage.
+        self._length_key = length_key
         if not stages:
             raise ValueError("context.schedule needs at least one stage")
         self.stages = list(stages)
         for i, st in enumerate(self.stages):
             if st.seq_len < 1:
-                raise ValueError(
-                    f"context.schedule[{i}].seq_len={st.seq_len} must be >= 1"
-                )
+                raise ValueError(f"{self._key(i)}={st.seq_len} must be >= 1")
         if self.stages[0].start_step != 1:
             raise ValueError(
                 f"context.schedule[0].start_step={self.stages[0].start_step}: the first "
@@ -74,7 +76,7 @@ class ContextSchedule:
                 if tokens_per_step < st.seq_len or tokens_per_step % st.seq_len:
                     raise ValueError(
                         f"training.tokens_per_step={tokens_per_step} is not a whole multiple "
-                        f"of context.schedule[{i}].seq_len={st.seq_len} (stage from step "
+                        f"of {self._key(i)}={st.seq_len} (stage from step "
                         f"{st.start_step}); with constant tokens per step every stage's "
                         f"seq_len must divide tokens_per_step"
                     )
@@ -82,6 +84,9 @@ class ContextSchedule:
                 raise ValueError(
                     f"training.global_batch_size={global_batch_size} must be >= 1"
                 )
+
+    def _key(self, i: int) -> str:
+        return self._length_key or f"context.schedule[{i}].seq_len"
 
     # ------------------------------------------------------------------ lookup
     def stage_index(self, step: int) -> int:
@@ -116,7 +121,7 @@ class ContextSchedule:
         for i, st in enumerate(self.stages):
             if st.seq_len % sp:
                 raise ValueError(
-                    f"context.schedule[{i}].seq_len={st.seq_len} (stage from step "
+                    f"{self._key(i)}={st.seq_len} (stage from step "
                     f"{st.start_step}) is not a multiple of parallelism.sp={sp}; packed "
                     f"training sequences must split evenly over the sp ranks: use a "
                     f"multiple of {sp} (e.g. {max(sp, st.seq_len // sp * sp)})"

@@ -1,7 +1,7 @@
 """Entry point: ``torchrun --nproc_per_node=N -m ulysses_dtensor.train --config FILE [--section.key value ...]``.
 
 Also runs without torchrun, as a single process (world of one). A bad config
-exits with status 2 and one message on stderr, before any process group,
+or unusable data exits with status 2 and one message on stderr, before any
 dump folder or checkpoint folder is created.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .data import DataError
 from .runtime import exit_process
 from .trainer.config import ConfigError, config_help, load_config
 
@@ -25,9 +26,15 @@ def main(argv: list[str] | None = None) -> int:
 
         train(cfg)
     except ConfigError as e:
-        # Every rank fails the same way; one message per node is enough.
+        # Raised before any process group exists, the same way on every rank of
+        # a node (files may differ between nodes): one message per node.
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"config error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except DataError as e:
+        # Rank 0 checked the data and every rank raised its verdict: one message.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"data error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     return 0
 

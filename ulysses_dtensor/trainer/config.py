@@ -1,18 +1,20 @@
-"""Typed trainer configuration: defaults < TOML file < command-line overrides.
+"""Build the trainer configuration: defaults < TOML file < command-line overrides.
 
-A config is a set of dataclass sections (``job``, ``model``, ``training``, ...).
-A TOML file sets any subset of their keys; ``--section.key value`` (or
-``--section.key=value``) on the command line overrides it, parsed to the
-field's type (bools: true/false; lists: comma separated; the context schedule:
-``start:seq_len,start:seq_len``).
+A TOML file sets any subset of the keys of :mod:`.config_schema`;
+``--section.key value`` (or ``--section.key=value``) on the command line
+overrides it, parsed to the key's type (bools: true/false; lists: comma
+separated; the context schedule: ``start:seq_len,start:seq_len``). The config
+remembers which source set each key, so that a setting that cannot take effect
+is reported rather than ignored (:mod:`.config_checks`).
 
 Validation happens in two layers, both before any process group, folder or
 model exists:
 
-* :func:`parse_config` / :func:`load_config` check names, types and choices;
+* :func:`parse_config` / :func:`load_config` check names, types, choices, ranges
+  and settings that would have no effect;
 * :func:`validate_config` checks the config against the world size, the model
-  flavor and the data: mesh degrees, every stage's sequence length and batch
-  size, heads versus sp, data and tokenizer files.
+  flavor and the data files: mesh degrees, every stage's sequence length and
+  batch size, heads versus sp.
 
 Every problem raises one :class:`ConfigError` whose message names the key and
 what would be valid.
@@ -20,16 +22,25 @@ what would be valid.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..attention import BACKENDS
-from ..schedule import DECAYS, ContextSchedule, Stage
+from ..data import TOKENIZERS_EXTRA_MSG
+from ..schedule import Stage
 from ..suggest import did_you_mean
+from .config_checks import check_values, inactive_settings, model_args, validate_config
+from .config_schema import (
+    _FIELD_TYPES,
+    _FIELDS,
+    _SECTION_TYPES,
+    SOURCE_CLI,
+    SOURCE_DEFAULT,
+    SOURCE_TOML,
+    ConfigError,
+    JobConfig,
+    config_help,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,207 +54,11 @@ __all__ = [
     "parse_config",
     "parse_cli",
     "validate_config",
+    "model_args",
+    "inactive_settings",
     "config_help",
     "TOKENIZERS_EXTRA_MSG",
 ]
-
-TOKENIZERS_EXTRA_MSG = (
-    "data.tokenizer={path!r} is an HF tokenizer.json, which needs the optional "
-    "'tokenizers' package: pip install 'ulysses-dtensor[tokenizers]'"
-)
-
-
-class ConfigError(ValueError):
-    """A bad configuration; the message names the key and the valid choices."""
-
-
-def _f(default, help: str, choices: tuple | None = None):
-    meta = {"help": help}
-    if choices is not None:
-        meta["choices"] = choices
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: list(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-# --------------------------------------------------------------------------- #
-# Sections
-# --------------------------------------------------------------------------- #
-
-
-@dataclass
-class Job:
-    dump_folder: str = _f("./outputs", "folder for metrics.jsonl, checkpoints and TensorBoard")
-    seed: int = _f(0, "seed of weight init, data order and RNG")
-    description: str = _f("", "free text, printed at start")
-
-
-@dataclass
-class Model:
-    flavor: str = _f("debug", "model size, a key of ulysses_dtensor.models.llama.FLAVORS")
-    attn_backend: str = _f(
-        "auto", "local attention after the all-to-all (auto: sdpa on CPU, flash_attn/varlen on CUDA bf16)", BACKENDS
-    )
-    vocab_size: int = _f(0, "0: the tokenizer's vocabulary rounded up to vocab_multiple_of")
-    vocab_multiple_of: int = _f(64, "round the tokenizer vocabulary up to a multiple of this")
-    dim: int = _f(0, "override of the flavor's hidden size (0: keep)")
-    n_layers: int = _f(0, "override of the flavor's layer count (0: keep)")
-    n_heads: int = _f(0, "override of the flavor's attention heads (0: keep)")
-    n_kv_heads: int = _f(0, "override of the flavor's key/value heads (0: keep)")
-    ffn_dim: int = _f(0, "override of the flavor's MLP hidden size (0: keep)")
-    rope_theta: float = _f(0.0, "override of the flavor's RoPE base (0: keep)")
-
-
-@dataclass
-class Training:
-    steps: int = _f(10, "number of optimizer steps (counted from 1)")
-    global_batch_size: int = _f(8, "sequences per step over all dp ranks (fixed-batch mode)")
-    tokens_per_step: int = _f(
-        0, "tokens per step when context.constant_tokens_per_step (0: global_batch_size "
-        "x the first stage's seq_len)")
-    micro_batch_size: int = _f(0, "sequences per forward/backward on one dp rank, "
-                                  "gradients accumulated (0: the whole local batch at once)")
-    seq_len: int = _f(2048, "sequence length when context.schedule is empty (one stage)")
-    max_norm: float = _f(1.0, "gradient clipping norm (0: no clipping)")
-    mixed_precision_param: str = _f("float32", "FSDP2 parameter dtype for compute",
-                                    ("float32", "bfloat16"))
-    mixed_precision_reduce: str = _f("float32", "FSDP2 gradient reduce dtype",
-                                     ("float32", "bfloat16"))
-    compile: bool = _f(False, "torch.compile each transformer block")
-    compile_backend: str = _f("inductor", "torch.compile backend")
-    pack_qkv: bool = _f(False, "one all-to-all for q, k, v together")
-
-
-@dataclass
-class Parallelism:
-    dp_replicate: int = _f(1, "data-parallel replicas (HSDP outer dim)")
-    dp_shard: int = _f(-1, "FSDP2 data-parallel shards (-1: what the world size leaves)")
-    sp: int = _f(1, "Ulysses sequence-parallel degree")
-
-
-@dataclass
-class Optimizer:
-    name: str = _f("adamw", "optimizer", ("adamw",))
-    lr: float = _f(3e-4, "peak learning rate")
-    betas: list[float] = _f([0.9, 0.95], "AdamW betas")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    weight_decay: float = _f(0.1, "AdamW weight decay")
-
-
-@dataclass
-class LRScheduler:
-    warmup_steps: int = _f(0, "linear warm-up steps")
-    decay: str = _f("linear", "decay after warm-up down to min_lr_ratio at the last step",
-                    DECAYS)
-    min_lr_ratio: float = _f(0.0, "final learning rate / peak learning rate")
-
-
-@dataclass
-class Context:
-    schedule: list[Stage] = _f(
-        [], "progressive context length: stages {start_step, seq_len}; the first starts "
-        "at step 1 (empty: training.seq_len for the whole run)")
-    constant_tokens_per_step: bool = _f(
-        False, "keep tokens per step constant across stages (sequences = tokens_per_step "
-        "/ seq_len) instead of a constant number of sequences")
-
-
-@dataclass
-class Data:
-    path: str = _f("", "'' = built-in corpus (Python stdlib sources); else a local .txt / "
-                       ".jsonl file or a directory of them")
-    tokenizer: str = _f("byte", "'byte' or the path of an HF tokenizer.json")
-    text_key: str = _f("text", "field of each .jsonl record that holds the text")
-    shuffle: bool = _f(True, "shuffle document order each epoch (seeded by job.seed)")
-    max_corpus_mb: float = _f(8.0, "size cap of the built-in corpus in MiB")
-
-
-@dataclass
-class Checkpoint:
-    enable: bool = _f(False, "save checkpoints and resume from the latest complete one")
-    folder: str = _f("checkpoint", "checkpoint folder, relative to job.dump_folder")
-    interval: int = _f(500, "save every this many steps (and at the last step)")
-    keep_latest_k: int = _f(0, "keep only the newest k checkpoints (0: keep all)")
-
-
-@dataclass
-class ActivationCheckpoint:
-    mode: str = _f("none", "activation checkpointing", ("none", "full", "selective"))
-    selective: str = _f("op", "selective AC: 'op' (save matmuls) or every Nth layer, e.g. '2'")
-
-
-@dataclass
-class Memory:
-    tiled_mlp: bool = _f(False, "compute each MLP over sequence tiles (no whole (seq, ffn) tensors)")
-    mlp_tiles: int = _f(0, "MLP tiles (0: from the shapes, about seq*ffn/dim^2)")
-    tiled_loss: bool = _f(False, "compute logits + loss over sequence chunks (no whole (seq, vocab) logits)")
-    loss_chunks: int = _f(0, "loss chunks (0: from the shapes)")
-    offload_activations: bool = _f(
-        False, "keep checkpointed block inputs in pinned host memory (needs activation_checkpoint.mode='full')"
-    )
-    offload_params: bool = _f(
-        False, "keep parameters, gradients and AdamW state in host memory; AdamW steps on the CPU"
-    )
-
-
-@dataclass
-class Metrics:
-    log_freq: int = _f(1, "print a console line every this many steps")
-    enable_tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboard)")
-    peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0: known GPUs only)")
-    progress_bar: bool = _f(True, "show a progress bar in the console line")
-
-
-@dataclass
-class JobConfig:
-    job: Job = field(default_factory=Job)
-    model: Model = field(default_factory=Model)
-    training: Training = field(default_factory=Training)
-    parallelism: Parallelism = field(default_factory=Parallelism)
-    optimizer: Optimizer = field(default_factory=Optimizer)
-    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
-    context: Context = field(default_factory=Context)
-    data: Data = field(default_factory=Data)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
-    memory: Memory = field(default_factory=Memory)
-    metrics: Metrics = field(default_factory=Metrics)
-
-    # ----------------------------------------------------------- derived
-    def stages(self) -> list[Stage]:
-        return list(self.context.schedule) or [Stage(1, self.training.seq_len)]
-
-    def context_schedule(self) -> ContextSchedule:
-        """The context schedule this config describes (raises ConfigError)."""
-        stages = self.stages()
-        tr = self.training
-        try:
-            if self.context.constant_tokens_per_step:
-                tokens = tr.tokens_per_step or tr.global_batch_size * stages[0].seq_len
-                return ContextSchedule(stages, tokens_per_step=tokens)
-            return ContextSchedule(stages, global_batch_size=tr.global_batch_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    @property
-    def dump_folder(self) -> Path:
-        return Path(self.job.dump_folder)
-
-    @property
-    def checkpoint_folder(self) -> Path:
-        return self.dump_folder / self.checkpoint.folder
-
-    def to_dict(self) -> dict:
-        out = {}
-        for sec in dataclasses.fields(self):
-            out[sec.name] = dataclasses.asdict(getattr(self, sec.name))
-        return out
-
-
-# `from __future__ import annotations` leaves field types as strings: resolve once.
-_SECTION_TYPES = typing.get_type_hints(JobConfig)
-_FIELD_TYPES = {name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()}
-_FIELDS = {name: {f.name: f for f in dataclasses.fields(cls)} for name, cls in _SECTION_TYPES.items()}
 
 
 # --------------------------------------------------------------------------- #
@@ -416,6 +231,7 @@ def _apply(cfg: JobConfig, section: str, key: str, value, *, from_cli: bool) -> 
             f"valid: {', '.join(map(str, choices))}"
         )
     setattr(getattr(cfg, section), key, value)
+    cfg.sources[dotted] = SOURCE_CLI if from_cli else SOURCE_TOML
 
 
 def parse_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
@@ -466,8 +282,30 @@ def parse_config(toml: dict | None = None, overrides: list[tuple[str, str]] = ()
     for dotted, raw in overrides:
         section, key = _split_dotted(dotted)
         _apply(cfg, section, key, raw, from_cli=True)
-    _check_values(cfg)
+    _resolve_context_length(cfg)
+    check_values(cfg)
     return cfg
+
+
+def _resolve_context_length(cfg: JobConfig) -> None:
+    """``training.seq_len`` versus ``context.schedule``: the later source wins.
+
+    A command-line ``--training.seq_len`` over a TOML file's schedule trains at
+    that one length (the schedule is dropped); a command-line
+    ``--context.schedule`` over a TOML ``seq_len`` uses the schedule. Both in the
+    same source is a contradiction.
+    """
+    seq, sched = cfg.source_of("training.seq_len"), cfg.source_of("context.schedule")
+    if seq == SOURCE_DEFAULT or not cfg.context.schedule:
+        return
+    if seq == sched:
+        raise ConfigError(
+            f"{cfg.describe('training.seq_len')} and {cfg.describe('context.schedule')} "
+            f"both set the sequence length; give one (training.seq_len is one stage)"
+        )
+    if seq > sched:
+        cfg.context.schedule = []
+        cfg.sources["context.schedule"] = seq
 
 
 def load_config(argv: list[str] | None = None, path: str | os.PathLike | None = None) -> JobConfig:
@@ -485,180 +323,3 @@ def load_config(argv: list[str] | None = None, path: str | os.PathLike | None = 
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {str(path)!r} is not valid TOML: {e}") from None
     return parse_config(toml, overrides)
-
-
-def _check_values(cfg: JobConfig) -> None:
-    """Range checks that need no world size, model or file."""
-    tr = cfg.training
-
-    def positive(key: str, value, minimum=1):
-        if value < minimum:
-            raise ConfigError(f"{key}={value} must be >= {minimum}")
-
-    positive("training.steps", tr.steps)
-    positive("training.seq_len", tr.seq_len)
-    positive("training.global_batch_size", tr.global_batch_size)
-    positive("training.tokens_per_step", tr.tokens_per_step, 0)
-    positive("training.micro_batch_size", tr.micro_batch_size, 0)
-    positive("training.max_norm", tr.max_norm, 0)
-    positive("checkpoint.interval", cfg.checkpoint.interval)
-    positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, 0)
-    positive("metrics.log_freq", cfg.metrics.log_freq)
-    positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, 0)
-    positive("model.vocab_multiple_of", cfg.model.vocab_multiple_of)
-    if not 0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0:
-        raise ConfigError(f"lr_scheduler.min_lr_ratio={cfg.lr_scheduler.min_lr_ratio} must be in [0, 1]")
-    if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
-        raise ConfigError(f"optimizer.betas={cfg.optimizer.betas} must be two numbers in [0, 1)")
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be > 0")
-    sel = cfg.activation_checkpoint.selective
-    if sel != "op" and not (sel.isdigit() and int(sel) >= 1):
-        raise ConfigError(
-            f"activation_checkpoint.selective={sel!r}; valid: 'op' or a layer interval "
-            f"like '2'"
-        )
-    positive("memory.mlp_tiles", cfg.memory.mlp_tiles, 0)
-    positive("memory.loss_chunks", cfg.memory.loss_chunks, 0)
-    if cfg.memory.offload_activations and cfg.activation_checkpoint.mode != "full":
-        raise ConfigError(
-            f"memory.offload_activations=true needs activation_checkpoint.mode='full' "
-            f"(got {cfg.activation_checkpoint.mode!r}): it offloads the block inputs that "
-            f"full checkpointing keeps"
-        )
-    if not cfg.job.dump_folder:
-        raise ConfigError("job.dump_folder must not be empty")
-    if Path(cfg.checkpoint.folder).is_absolute() or ".." in Path(cfg.checkpoint.folder).parts:
-        raise ConfigError(
-            f"checkpoint.folder={cfg.checkpoint.folder!r} must be a relative path inside "
-            f"job.dump_folder"
-        )
-    cfg.context_schedule()  # stage order and tokens_per_step divisibility
-
-
-# --------------------------------------------------------------------------- #
-# Validation against the world, the model and the data
-# --------------------------------------------------------------------------- #
-
-
-def validate_config(cfg: JobConfig, world_size: int):
-    """Check everything that can be checked before training; return the ParallelDims.
-
-    Raises ConfigError. Touches no folder and starts no process group.
-    """
-    from ..mesh import ParallelDims
-
-    par = cfg.parallelism
-    try:
-        dims = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size)
-    except ValueError as e:
-        raise ConfigError(f"parallelism: {e}") from None
-
-    try:
-        cfg.context_schedule().validate(sp=dims.sp, dp=dims.dp)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-    _check_data(cfg)
-    args = model_args(cfg, vocab_size=cfg.model.vocab_size or 256)
-    from ..ulysses import kv_replication
-
-    try:
-        kv_replication(args.n_heads, args.n_kv_heads or args.n_heads, dims.sp)
-    except ValueError as e:
-        raise ConfigError(
-            f"model.flavor={cfg.model.flavor!r} with parallelism.sp={dims.sp}: {e}"
-        ) from None
-    return dims
-
-
-def model_args(cfg: JobConfig, vocab_size: int):
-    """The LlamaArgs for this config (flavor + overrides), or a ConfigError."""
-    try:
-        from ..models.llama import FLAVORS, llama_args
-    except ImportError as e:  # pragma: no cover - the model module is part of the package
-        raise ConfigError(f"cannot import the model code: {e}") from None
-    m = cfg.model
-    if m.flavor not in FLAVORS:
-        raise ConfigError(
-            f"model.flavor={m.flavor!r} is unknown{_suggest(m.flavor, FLAVORS)}; valid: "
-            f"{', '.join(FLAVORS)}"
-        )
-    overrides = {
-        k: getattr(m, k)
-        for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta")
-        if getattr(m, k)
-    }
-    try:
-        return llama_args(m.flavor, vocab_size=vocab_size, attn_backend=m.attn_backend, **overrides)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"model.flavor={m.flavor!r} with overrides {overrides}: {e}") from None
-
-
-def _check_data(cfg: JobConfig) -> None:
-    from ..data import DATA_SUFFIXES, data_files
-
-    d = cfg.data
-    if d.path:
-        p = Path(d.path)
-        if not p.exists():
-            raise ConfigError(
-                f"data.path={d.path!r} does not exist; give a .txt / .jsonl file, a "
-                f"directory of them, or '' for the built-in corpus"
-            )
-        if p.is_file() and p.suffix not in DATA_SUFFIXES:
-            raise ConfigError(
-                f"data.path={d.path!r} has suffix {p.suffix!r}; valid: "
-                f"{', '.join(DATA_SUFFIXES)} (or a directory of such files)"
-            )
-        if p.is_dir() and not data_files(p):
-            raise ConfigError(
-                f"data.path={d.path!r} is a directory without any "
-                f"{' / '.join(DATA_SUFFIXES)} file"
-            )
-    if d.tokenizer != "byte":
-        tok = Path(d.tokenizer)
-        if not tok.is_file():
-            raise ConfigError(
-                f"data.tokenizer={d.tokenizer!r}: no such file; valid: 'byte' or the path "
-                f"of an HF tokenizer.json"
-            )
-        try:
-            import tokenizers  # noqa: F401
-        except ImportError:
-            raise ConfigError(TOKENIZERS_EXTRA_MSG.format(path=d.tokenizer)) from None
-    if d.max_corpus_mb <= 0:
-        raise ConfigError(f"data.max_corpus_mb={d.max_corpus_mb} must be > 0")
-
-
-# --------------------------------------------------------------------------- #
-# Help
-# --------------------------------------------------------------------------- #
-
-
-def _fmt_default(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        if value and isinstance(value[0], Stage):
-            return ",".join(f"{s.start_step}:{s.seq_len}" for s in value)
-        return ",".join(map(str, value)) or "[]"
-    return repr(value)
-
-
-def config_help() -> str:
-    lines = [
-        "usage: torchrun --nproc_per_node=N -m ulysses_dtensor.train "
-        "--config train_configs/NAME.toml [--section.key value ...]",
-        "",
-        "Command-line values override the TOML file, which overrides the defaults.",
-    ]
-    default = JobConfig()
-    for section in _FIELDS:
-        lines.append(f"\n[{section}]")
-        for key, f in _FIELDS[section].items():
-            meta = f.metadata
-            choices = f" (choices: {', '.join(meta['choices'])})" if "choices" in meta else ""
-            value = _fmt_default(getattr(getattr(default, section), key))
-            lines.append(f"  --{section}.{key} = {value}{choices}\n      {meta.get('help', '')}")
-    return "\n".join(lines)

@@ -29,7 +29,8 @@ from ..data import PackedLoader, TokenStream, build_source, build_tokenizer, pad
 from ..loss import count_valid_tokens, global_loss
 from ..schedule import LRSchedule
 from .checkpoint import CheckpointManager
-from .config import ConfigError, JobConfig, model_args, validate_config
+from ..data_checks import DataError, check_corpus
+from .config import ConfigError, JobConfig, inactive_settings, model_args, validate_config
 from .metrics import MetricsLogger
 from .step import build_optimizer, train_step
 
@@ -147,8 +148,30 @@ def train(cfg: JobConfig) -> list[dict]:
         return _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule)
 
 
+def _check_data_on_rank0(cfg: JobConfig, source, tokenizer, schedule, device) -> None:
+    """Rank 0 reads the data once; every rank raises the same DataError if it is unusable."""
+    verdict = [None]
+    if dist.get_rank() == 0:
+        first = max(schedule.stages, key=lambda st: schedule.tokens(st.start_step))
+        described = (
+            f"data.path={cfg.data.path!r}" if cfg.data.path
+            else f"the built-in corpus (data.max_corpus_mb={cfg.data.max_corpus_mb:g})"
+        ) + (f" with one step of {schedule.batch_for(first.seq_len)} x {first.seq_len} tokens "
+             f"(stage from step {first.start_step})")
+        try:
+            check_corpus(source, tokenizer, schedule.tokens(first.start_step), described=described)
+        except DataError as e:
+            verdict[0] = str(e)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0, device=device if device.type == "cuda" else None)
+    if verdict[0] is not None:
+        raise DataError(verdict[0])
+
+
 def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Before anything is built or written: a bad corpus stops the run here.
+    _check_data_on_rank0(cfg, source, tokenizer, schedule, device)
     torch.manual_seed(cfg.job.seed)
     pmesh = dims.build_mesh(device.type)
 
@@ -194,6 +217,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         f"  data {cfg.data.path or 'built-in stdlib corpus'}: {len(source)} documents; "
         f"{schedule}\n"
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}"
+        + "".join(f"\n  not in effect: {note}" for note in inactive_settings(cfg))
     )
     if rank == 0:
         cfg.dump_folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,312 @@
+"""Checks of a trainer configuration, all before any process group, folder or model.
+
+* :func:`check_values`: ranges, and settings that cannot take effect;
+* :func:`validate_config`: the config against the world size, the model and the
+  data files.
+
+Settings that cannot take effect. A key that only matters when another key
+switches it on (``memory.mlp_tiles`` without ``memory.tiled_mlp``) is an error
+when the user set it (to a non-default value) in the same or a later source than
+the switch: the run would otherwise silently differ from what was asked. When a
+later source turned the switch off (a TOML sets ``checkpoint.interval``, the
+command line says ``--checkpoint.enable false``), the user overrode it on
+purpose: the run goes on and its banner lists the key as not in effect
+(:func:`inactive_settings`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..data import DATA_SUFFIXES, TOKENIZERS_EXTRA_MSG, data_files
+from ..suggest import did_you_mean
+from .config_schema import SOURCE_DEFAULT, ConfigError, JobConfig
+
+__all__ = ["check_values", "validate_config", "model_args", "inactive_settings", "EFFECT_RULES"]
+
+
+# --------------------------------------------------------------------------- #
+# Settings that only take effect when others allow it
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class EffectRule:
+    """``key`` has an effect only while ``active(cfg)``, which ``switches`` decide."""
+
+    key: str
+    switches: tuple[str, ...]
+    active: Callable[[JobConfig], bool]
+    needs: str  # what it needs, for the message
+
+
+def _warmup_ends(c: JobConfig) -> bool:
+    return c.lr_scheduler.warmup_steps < c.training.steps
+
+
+EFFECT_RULES: list[EffectRule] = [
+    EffectRule("training.seq_len", ("context.schedule",), lambda c: not c.context.schedule,
+               "it is the one stage's length when context.schedule is empty"),
+    EffectRule("training.tokens_per_step", ("context.constant_tokens_per_step",),
+               lambda c: c.context.constant_tokens_per_step,
+               "it is used with context.constant_tokens_per_step=true"),
+    EffectRule("training.global_batch_size",
+               ("context.constant_tokens_per_step", "training.tokens_per_step"),
+               lambda c: not (c.context.constant_tokens_per_step and c.training.tokens_per_step),
+               "with context.constant_tokens_per_step=true and training.tokens_per_step > 0 "
+               "each stage's batch is tokens_per_step / seq_len"),
+    EffectRule("training.compile_backend", ("training.compile",), lambda c: c.training.compile,
+               "it is used with training.compile=true"),
+    EffectRule("training.pack_qkv", ("parallelism.sp",), lambda c: c.parallelism.sp > 1,
+               "there is no all-to-all to pack at parallelism.sp=1"),
+    EffectRule("activation_checkpoint.selective", ("activation_checkpoint.mode",),
+               lambda c: c.activation_checkpoint.mode == "selective",
+               "it is used with activation_checkpoint.mode='selective'"),
+    EffectRule("memory.mlp_tiles", ("memory.tiled_mlp",), lambda c: c.memory.tiled_mlp,
+               "it is used with memory.tiled_mlp=true"),
+    EffectRule("memory.loss_chunks", ("memory.tiled_loss",), lambda c: c.memory.tiled_loss,
+               "it is used with memory.tiled_loss=true"),
+    *(EffectRule(f"checkpoint.{k}", ("checkpoint.enable",), lambda c: c.checkpoint.enable,
+                 "it is used with checkpoint.enable=true")
+      for k in ("folder", "interval", "keep_latest_k")),
+    EffectRule("lr_scheduler.decay", ("lr_scheduler.warmup_steps", "training.steps"), _warmup_ends,
+               "the decay starts after lr_scheduler.warmup_steps, which must be < training.steps"),
+    EffectRule("lr_scheduler.min_lr_ratio",
+               ("lr_scheduler.decay", "lr_scheduler.warmup_steps", "training.steps"),
+               lambda c: c.lr_scheduler.decay != "none" and _warmup_ends(c),
+               "it is where lr_scheduler.decay ('linear' or 'cosine') ends, after the warm-up"),
+    EffectRule("model.vocab_multiple_of", ("model.vocab_size",), lambda c: c.model.vocab_size == 0,
+               "it rounds the tokenizer's vocabulary when model.vocab_size=0"),
+    EffectRule("data.max_corpus_mb", ("data.path",), lambda c: c.data.path == "",
+               "it caps the built-in corpus (data.path='')"),
+]
+
+
+def _value(cfg: JobConfig, dotted: str):
+    section, key = dotted.split(".", 1)
+    return getattr(getattr(cfg, section), key)
+
+
+_DEFAULTS = JobConfig()
+
+
+def _without_effect(cfg: JobConfig, rules) -> list[tuple[EffectRule, bool]]:
+    """(rule, the user's own choice) for every explicitly set key that has no effect.
+
+    Keys set to their default value change nothing and are left alone.
+    """
+    out = []
+    for rule in rules:
+        if cfg.source_of(rule.key) == SOURCE_DEFAULT or rule.active(cfg):
+            continue
+        if _value(cfg, rule.key) == _value(_DEFAULTS, rule.key):
+            continue
+        latest_switch = max(cfg.source_of(s) for s in rule.switches)
+        out.append((rule, cfg.source_of(rule.key) >= latest_switch))
+    return out
+
+
+def _effect_message(cfg: JobConfig, rule: EffectRule) -> str:
+    switches = ", ".join(cfg.describe(s) for s in rule.switches)
+    return (
+        f"{cfg.describe(rule.key)} has no effect: {rule.needs}, and here {switches}; "
+        f"remove {rule.key} or change {' / '.join(rule.switches)}"
+    )
+
+
+def _check_effect(cfg: JobConfig, rules) -> None:
+    for rule, chosen in _without_effect(cfg, rules):
+        if chosen:
+            raise ConfigError(_effect_message(cfg, rule))
+
+
+def inactive_settings(cfg: JobConfig) -> list[str]:
+    """Keys a later source switched off: accepted, and listed in the run's banner."""
+    return [
+        f"{cfg.describe(r.key)}: {', '.join(cfg.describe(s) for s in r.switches)}"
+        for r, chosen in _without_effect(cfg, EFFECT_RULES) if not chosen
+    ]
+
+
+# --------------------------------------------------------------------------- #
+# Values
+# --------------------------------------------------------------------------- #
+
+
+def check_values(cfg: JobConfig) -> None:
+    """Range checks and settings without effect; needs no world size, model or file."""
+    tr = cfg.training
+
+    def positive(key: str, value, minimum=1):
+        if value < minimum:
+            raise ConfigError(f"{key}={value} must be >= {minimum}")
+
+    positive("training.steps", tr.steps)
+    positive("training.seq_len", tr.seq_len)
+    positive("training.global_batch_size", tr.global_batch_size)
+    positive("training.tokens_per_step", tr.tokens_per_step, 0)
+    positive("training.micro_batch_size", tr.micro_batch_size, 0)
+    positive("training.max_norm", tr.max_norm, 0)
+    positive("checkpoint.interval", cfg.checkpoint.interval)
+    positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, 0)
+    positive("metrics.log_freq", cfg.metrics.log_freq)
+    positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, 0)
+    positive("model.vocab_multiple_of", cfg.model.vocab_multiple_of)
+    if not 0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_ratio={cfg.lr_scheduler.min_lr_ratio} must be in [0, 1]")
+    if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
+        raise ConfigError(f"optimizer.betas={cfg.optimizer.betas} must be two numbers in [0, 1)")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr={cfg.optimizer.lr} must be > 0")
+    sel = cfg.activation_checkpoint.selective
+    if sel != "op" and not (sel.isdigit() and int(sel) >= 1):
+        raise ConfigError(
+            f"activation_checkpoint.selective={sel!r}; valid: 'op' or a layer interval "
+            f"like '2'"
+        )
+    positive("memory.mlp_tiles", cfg.memory.mlp_tiles, 0)
+    positive("memory.loss_chunks", cfg.memory.loss_chunks, 0)
+    if cfg.memory.offload_activations and cfg.activation_checkpoint.mode != "full":
+        raise ConfigError(
+            f"memory.offload_activations=true needs activation_checkpoint.mode='full' "
+            f"(got {cfg.activation_checkpoint.mode!r}): it offloads the block inputs that "
+            f"full checkpointing keeps"
+        )
+    if not cfg.job.dump_folder:
+        raise ConfigError("job.dump_folder must not be empty")
+    if Path(cfg.checkpoint.folder).is_absolute() or ".." in Path(cfg.checkpoint.folder).parts:
+        raise ConfigError(
+            f"checkpoint.folder={cfg.checkpoint.folder!r} must be a relative path inside "
+            f"job.dump_folder"
+        )
+    if cfg.data.max_corpus_mb <= 0:
+        raise ConfigError(f"data.max_corpus_mb={cfg.data.max_corpus_mb} must be > 0")
+    _check_effect(cfg, EFFECT_RULES)
+    cfg.context_schedule()  # stage order and tokens_per_step divisibility
+
+
+# --------------------------------------------------------------------------- #
+# Against the world, the model and the data
+# --------------------------------------------------------------------------- #
+
+
+def validate_config(cfg: JobConfig, world_size: int):
+    """Check everything that can be checked before training; return the ParallelDims.
+
+    Raises ConfigError. Touches no folder and starts no process group.
+    """
+    from ..mesh import ParallelDims
+
+    par = cfg.parallelism
+    try:
+        dims = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size)
+    except ValueError as e:
+        raise ConfigError(f"parallelism: {e}") from None
+
+    schedule = cfg.context_schedule()
+    try:
+        schedule.validate(sp=dims.sp, dp=dims.dp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_micro_batch(cfg, schedule, dims.dp)
+
+    _check_data(cfg)
+    if cfg.metrics.enable_tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "metrics.enable_tensorboard=true needs the 'tensorboard' package: "
+                "pip install 'ulysses-dtensor[tensorboard]'"
+            ) from None
+    args = model_args(cfg, vocab_size=cfg.model.vocab_size or 256)
+    from ..ulysses import kv_replication
+
+    try:
+        kv_replication(args.n_heads, args.n_kv_heads or args.n_heads, dims.sp)
+    except ValueError as e:
+        raise ConfigError(
+            f"model.flavor={cfg.model.flavor!r} with parallelism.sp={dims.sp}: {e}"
+        ) from None
+    return dims
+
+
+def _check_micro_batch(cfg: JobConfig, schedule, dp: int) -> None:
+    micro = cfg.training.micro_batch_size
+    if not micro:
+        return
+    largest = max(schedule.batch_for(st.seq_len) // dp for st in schedule.stages)
+    rule = EffectRule(
+        "training.micro_batch_size",
+        ("training.global_batch_size", "training.tokens_per_step", "parallelism.dp_shard",
+         "parallelism.dp_replicate"),
+        lambda c: micro < largest,
+        f"it splits each dp rank's sequences into passes, and each rank gets at most "
+        f"{largest} per step (global batch / {dp} data-parallel streams)",
+    )
+    _check_effect(cfg, [rule])
+
+
+def model_args(cfg: JobConfig, vocab_size: int):
+    """The LlamaArgs for this config (flavor + overrides), or a ConfigError."""
+    from ..models.llama import FLAVORS, llama_args
+
+    m = cfg.model
+    if m.flavor not in FLAVORS:
+        raise ConfigError(
+            f"model.flavor={m.flavor!r} is unknown{did_you_mean(m.flavor, FLAVORS, cutoff=0.5)}; "
+            f"valid: {', '.join(FLAVORS)}"
+        )
+    overrides = {
+        k: getattr(m, k)
+        for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta")
+        if getattr(m, k)
+    }
+    try:
+        return llama_args(m.flavor, vocab_size=vocab_size, attn_backend=m.attn_backend, **overrides)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model.flavor={m.flavor!r} with overrides {overrides}: {e}") from None
+
+
+def _check_data(cfg: JobConfig) -> None:
+    """The data and tokenizer files exist; their contents are checked by ``data_checks``."""
+    d = cfg.data
+    if d.path:
+        p = Path(d.path)
+        if not p.exists():
+            raise ConfigError(
+                f"data.path={d.path!r} does not exist; give a .txt / .jsonl file, a "
+                f"directory of them, or '' for the built-in corpus"
+            )
+        if p.is_file() and p.suffix not in DATA_SUFFIXES:
+            raise ConfigError(
+                f"data.path={d.path!r} has suffix {p.suffix!r}; valid: "
+                f"{', '.join(DATA_SUFFIXES)} (or a directory of such files)"
+            )
+        files = data_files(p)
+        if not files:
+            raise ConfigError(
+                f"data.path={d.path!r} is a directory without any "
+                f"{' / '.join(DATA_SUFFIXES)} file"
+            )
+        has_jsonl = any(f.suffix == ".jsonl" for f in files)
+    else:
+        has_jsonl = False
+    _check_effect(cfg, [EffectRule(
+        "data.text_key", ("data.path",), lambda c: has_jsonl,
+        "it names the text field of .jsonl records, and data.path has no .jsonl file",
+    )])
+    if d.tokenizer != "byte":
+        tok = Path(d.tokenizer)
+        if not tok.is_file():
+            raise ConfigError(
+                f"data.tokenizer={d.tokenizer!r}: no such file; valid: 'byte' or the path "
+                f"of an HF tokenizer.json"
+            )
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            raise ConfigError(TOKENIZERS_EXTRA_MSG.format(path=d.tokenizer)) from None
+

@@ -1,0 +1,265 @@
+"""The trainer configuration's schema: its sections, keys, types, defaults and help.
+
+A config is a set of dataclass sections (``job``, ``model``, ``training``, ...);
+:mod:`.config` builds one from defaults < a TOML file < command-line overrides
+and records which source set each key, and :mod:`.config_checks` validates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..attention import BACKENDS
+from ..schedule import DECAYS, ContextSchedule, Stage
+
+# Where a key's value came from; a later source overrides an earlier one.
+SOURCE_DEFAULT, SOURCE_TOML, SOURCE_CLI = 0, 1, 2
+SOURCE_NAMES = {SOURCE_DEFAULT: "the default", SOURCE_TOML: "from the TOML file",
+                SOURCE_CLI: "from the command line"}
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key and the valid choices."""
+
+
+def _f(default, help: str, choices: tuple | None = None):
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- #
+# Sections
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Job:
+    dump_folder: str = _f("./outputs", "folder for metrics.jsonl, checkpoints and TensorBoard")
+    seed: int = _f(0, "seed of weight init, data order and RNG")
+    description: str = _f("", "free text, printed at start")
+
+
+@dataclass
+class Model:
+    flavor: str = _f("debug", "model size, a key of ulysses_dtensor.models.llama.FLAVORS")
+    attn_backend: str = _f(
+        "auto", "local attention after the all-to-all (auto: sdpa on CPU, flash_attn/varlen on CUDA bf16)", BACKENDS
+    )
+    vocab_size: int = _f(0, "0: the tokenizer's vocabulary rounded up to vocab_multiple_of")
+    vocab_multiple_of: int = _f(64, "round the tokenizer vocabulary up to a multiple of this")
+    dim: int = _f(0, "override of the flavor's hidden size (0: keep)")
+    n_layers: int = _f(0, "override of the flavor's layer count (0: keep)")
+    n_heads: int = _f(0, "override of the flavor's attention heads (0: keep)")
+    n_kv_heads: int = _f(0, "override of the flavor's key/value heads (0: keep)")
+    ffn_dim: int = _f(0, "override of the flavor's MLP hidden size (0: keep)")
+    rope_theta: float = _f(0.0, "override of the flavor's RoPE base (0: keep)")
+
+
+@dataclass
+class Training:
+    steps: int = _f(10, "number of optimizer steps (counted from 1)")
+    global_batch_size: int = _f(8, "sequences per step over all dp ranks (fixed-batch mode)")
+    tokens_per_step: int = _f(
+        0, "tokens per step when context.constant_tokens_per_step (0: global_batch_size "
+        "x the first stage's seq_len)")
+    micro_batch_size: int = _f(0, "sequences per forward/backward on one dp rank, "
+                                  "gradients accumulated (0: the whole local batch at once)")
+    seq_len: int = _f(2048, "sequence length when context.schedule is empty (one stage)")
+    max_norm: float = _f(1.0, "gradient clipping norm (0: no clipping)")
+    mixed_precision_param: str = _f("float32", "FSDP2 parameter dtype for compute",
+                                    ("float32", "bfloat16"))
+    mixed_precision_reduce: str = _f("float32", "FSDP2 gradient reduce dtype",
+                                     ("float32", "bfloat16"))
+    compile: bool = _f(False, "torch.compile each transformer block")
+    compile_backend: str = _f("inductor", "torch.compile backend")
+    pack_qkv: bool = _f(False, "one all-to-all for q, k, v together")
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = _f(1, "data-parallel replicas (HSDP outer dim)")
+    dp_shard: int = _f(-1, "FSDP2 data-parallel shards (-1: what the world size leaves)")
+    sp: int = _f(1, "Ulysses sequence-parallel degree")
+
+
+@dataclass
+class Optimizer:
+    name: str = _f("adamw", "optimizer", ("adamw",))
+    lr: float = _f(3e-4, "peak learning rate")
+    betas: list[float] = _f([0.9, 0.95], "AdamW betas")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _f(0, "linear warm-up steps")
+    decay: str = _f("linear", "decay after warm-up down to min_lr_ratio at the last step",
+                    DECAYS)
+    min_lr_ratio: float = _f(0.0, "final learning rate / peak learning rate")
+
+
+@dataclass
+class Context:
+    schedule: list[Stage] = _f(
+        [], "progressive context length: stages {start_step, seq_len}; the first starts "
+        "at step 1 (empty: training.seq_len for the whole run)")
+    constant_tokens_per_step: bool = _f(
+        False, "keep tokens per step constant across stages (sequences = tokens_per_step "
+        "/ seq_len) instead of a constant number of sequences")
+
+
+@dataclass
+class Data:
+    path: str = _f("", "'' = built-in corpus (Python stdlib sources); else a local .txt / "
+                       ".jsonl file or a directory of them")
+    tokenizer: str = _f("byte", "'byte' or the path of an HF tokenizer.json")
+    text_key: str = _f("text", "field of each .jsonl record that holds the text")
+    shuffle: bool = _f(True, "shuffle document order each epoch (seeded by job.seed)")
+    max_corpus_mb: float = _f(8.0, "size cap of the built-in corpus in MiB")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = _f(False, "save checkpoints and resume from the latest complete one")
+    folder: str = _f("checkpoint", "checkpoint folder, relative to job.dump_folder")
+    interval: int = _f(500, "save every this many steps (and at the last step)")
+    keep_latest_k: int = _f(0, "keep only the newest k checkpoints (0: keep all)")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _f("none", "activation checkpointing", ("none", "full", "selective"))
+    selective: str = _f("op", "selective AC: 'op' (save matmuls) or every Nth layer, e.g. '2'")
+
+
+@dataclass
+class Memory:
+    tiled_mlp: bool = _f(False, "compute each MLP over sequence tiles (no whole (seq, ffn) tensors)")
+    mlp_tiles: int = _f(0, "MLP tiles (0: from the shapes, about seq*ffn/dim^2)")
+    tiled_loss: bool = _f(False, "compute logits + loss over sequence chunks (no whole (seq, vocab) logits)")
+    loss_chunks: int = _f(0, "loss chunks (0: from the shapes)")
+    offload_activations: bool = _f(
+        False, "keep checkpointed block inputs in pinned host memory (needs activation_checkpoint.mode='full')"
+    )
+    offload_params: bool = _f(
+        False, "keep parameters, gradients and AdamW state in host memory; AdamW steps on the CPU"
+    )
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _f(1, "print a console line every this many steps")
+    enable_tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboard)")
+    peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0: known GPUs only)")
+    progress_bar: bool = _f(True, "show a progress bar in the console line")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    context: Context = field(default_factory=Context)
+    data: Data = field(default_factory=Data)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    memory: Memory = field(default_factory=Memory)
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def __post_init__(self) -> None:
+        # Where each key was set: "section.key" -> SOURCE_TOML or SOURCE_CLI
+        # (absent: the default). Checks use it to tell a setting the user made
+        # from a default, and which of two settings came later. Not a field: it
+        # is not part of the saved config.
+        self.sources: dict[str, int] = {}
+
+    def source_of(self, dotted: str) -> int:
+        return self.sources.get(dotted, SOURCE_DEFAULT)
+
+    def describe(self, dotted: str) -> str:
+        """``section.key=value (where it was set)``, for messages."""
+        section, key = dotted.split(".", 1)
+        value = getattr(getattr(self, section), key)
+        shown = _fmt_default(value) if isinstance(value, (bool, list)) else repr(value)
+        return f"{dotted}={shown} ({SOURCE_NAMES[self.source_of(dotted)]})"
+
+    # ----------------------------------------------------------- derived
+    def stages(self) -> list[Stage]:
+        return list(self.context.schedule) or [Stage(1, self.training.seq_len)]
+
+    def context_schedule(self) -> ContextSchedule:
+        """The context schedule this config describes (raises ConfigError)."""
+        stages = self.stages()
+        tr = self.training
+        key = None if self.context.schedule else "training.seq_len"
+        try:
+            if self.context.constant_tokens_per_step:
+                tokens = tr.tokens_per_step or tr.global_batch_size * stages[0].seq_len
+                return ContextSchedule(stages, tokens_per_step=tokens, length_key=key)
+            return ContextSchedule(stages, global_batch_size=tr.global_batch_size, length_key=key)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    @property
+    def dump_folder(self) -> Path:
+        return Path(self.job.dump_folder)
+
+    @property
+    def checkpoint_folder(self) -> Path:
+        return self.dump_folder / self.checkpoint.folder
+
+    def to_dict(self) -> dict:
+        out = {}
+        for sec in dataclasses.fields(self):
+            out[sec.name] = dataclasses.asdict(getattr(self, sec.name))
+        return out
+
+
+# `from __future__ import annotations` leaves field types as strings: resolve once.
+_SECTION_TYPES = typing.get_type_hints(JobConfig)
+_FIELD_TYPES = {name: typing.get_type_hints(cls) for name, cls in _SECTION_TYPES.items()}
+_FIELDS = {name: {f.name: f for f in dataclasses.fields(cls)} for name, cls in _SECTION_TYPES.items()}
+
+
+# --------------------------------------------------------------------------- #
+# Help
+# --------------------------------------------------------------------------- #
+
+
+def _fmt_default(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        if value and isinstance(value[0], Stage):
+            return ",".join(f"{s.start_step}:{s.seq_len}" for s in value)
+        return ",".join(map(str, value)) or "[]"
+    return repr(value)
+
+
+def config_help() -> str:
+    lines = [
+        "usage: torchrun --nproc_per_node=N -m ulysses_dtensor.train "
+        "--config train_configs/NAME.toml [--section.key value ...]",
+        "",
+        "Command-line values override the TOML file, which overrides the defaults.",
+    ]
+    default = JobConfig()
+    for section in _FIELDS:
+        lines.append(f"\n[{section}]")
+        for key, f in _FIELDS[section].items():
+            meta = f.metadata
+            choices = f" (choices: {', '.join(meta['choices'])})" if "choices" in meta else ""
+            value = _fmt_default(getattr(getattr(default, section), key))
+            lines.append(f"  --{section}.{key} = {value}{choices}\n      {meta.get('help', '')}")
+    return "\n".join(lines)
