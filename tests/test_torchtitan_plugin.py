@@ -169,7 +169,7 @@ def build_parallel_dims(world: int, dp_replicate: int, dp_shard: int, sp: int):
     return dims
 
 
-def run_case(world: int, case: dict) -> dict:
+def run_case(world: int, case: dict, meshes: dict) -> dict:
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.loss import CrossEntropyLoss
@@ -184,7 +184,10 @@ def run_case(world: int, case: dict) -> dict:
 
     family, attention, docs = case["model"], case.get("attention", "sdpa"), case.get("docs", True)
     sp, pack = case["sp"], case.get("pack_qkv", False)
-    dims = build_parallel_dims(world, case.get("dp_replicate", 1), case.get("dp_shard", 1), sp)
+    degrees = (case.get("dp_replicate", 1), case.get("dp_shard", 1), sp)
+    if degrees not in meshes:  # process groups are costly: one set per mesh and task
+        meshes[degrees] = build_parallel_dims(world, *degrees)
+    dims = meshes[degrees]
     ref = reference(family, attention, docs)
 
     cfg = tiny_model_config(family, attention)
@@ -261,10 +264,10 @@ def parity_worker(rank: int, world: int, cases: list) -> list:
     previous = get_spmd_backend()
     set_spmd_backend("partial_dtensor")
     try:
-        out = []
+        out, meshes = [], {}
         for case in cases:
             t0 = time.perf_counter()
-            figures = run_case(world, case)
+            figures = run_case(world, case, meshes)
             figures["s"] = round(time.perf_counter() - t0, 2)
             out.append(figures)
         return out
