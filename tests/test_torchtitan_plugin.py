@@ -453,12 +453,13 @@ def test_torchtitan_version_errors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torchtitan's trainer needs CUDA")
-def test_gpu_trainer_through_our_module():
-    """torchrun -m torchtitan.train --module <ours>: sp N (all GPUs, up to 8) follows sp 1 from one seed checkpoint."""
-    nproc = min(torch.cuda.device_count(), 8)
+@pytest.mark.parametrize("backend", ["auto", "model"])  # ours (flash_attn / varlen), torchtitan's flex
+def test_gpu_trainer_through_our_module(backend):
+    """torchrun -m torchtitan.train --module <ours>: sp N (GPUs, a power of 2 up to 8) follows sp 1 from one seed checkpoint."""
+    nproc = 1 << (min(torch.cuda.device_count(), 8).bit_length() - 1)  # divides the debug model's 16 heads
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "torchtitan_check.py")
     done = subprocess.run(
-        [sys.executable, script, "--nproc", str(nproc), "--bf16", "--steps", "4"],
+        [sys.executable, script, "--nproc", str(nproc), "--bf16", "--steps", "3", "--attention-backend", backend],
         capture_output=True, text=True, timeout=3000,
     )
     print(done.stdout[-2000:])
