@@ -175,6 +175,8 @@ def test_tokenizers_extra_message(tmp_path, monkeypatch):
 def test_shipped_configs_parse():
     for path in sorted((REPO / "train_configs").glob("*.toml")):
         c = load_config(["--config", str(path)])
+        if c.model.hf_path:
+            continue  # needs its model directory: validated in test_hf_checkpoint.py
         n = c.parallelism.dp_replicate * max(c.parallelism.dp_shard, 1) * c.parallelism.sp
         validate_config(c, n)
 
@@ -257,6 +259,15 @@ EFFECT_CASES = {
     "lr_scheduler.min_lr_ratio": ("0.1", []),
     "model.vocab_multiple_of": ("128", []),
     "data.max_corpus_mb": ("1", []),
+    # Without effect under model.hf_path (its config.json sets them).
+    "model.flavor": ("llama3_8b", []),
+    "model.vocab_size": ("512", []),
+    "model.dim": ("128", []),
+    "model.n_layers": ("4", []),
+    "model.n_heads": ("4", []),
+    "model.n_kv_heads": ("2", []),
+    "model.ffn_dim": ("256", []),
+    "model.rope_theta": ("10000", []),
 }
 # What turns each off (the defaults already do for the others).
 EFFECT_OFF = {
@@ -267,6 +278,8 @@ EFFECT_OFF = {
     "lr_scheduler.min_lr_ratio": ["--lr_scheduler.decay", "none"],
     "model.vocab_multiple_of": ["--model.vocab_size", "512"],
     "data.max_corpus_mb": ["--data.path", "corpus.txt"],
+    **{f"model.{k}": ["--model.hf_path", "hf_model_dir"] for k in (
+        "flavor", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta")},
 }
 
 

@@ -23,6 +23,7 @@ from typing import Callable
 from ..data import DATA_SUFFIXES, TOKENIZERS_EXTRA_MSG, data_files
 from ..suggest import did_you_mean
 from .config_schema import SOURCE_DEFAULT, ConfigError, JobConfig
+from .hf_start import HF_IGNORED_MODEL_KEYS, hf_model_args, tokenizer_spec
 
 __all__ = ["check_values", "validate_config", "model_args", "inactive_settings", "EFFECT_RULES"]
 
@@ -81,6 +82,10 @@ EFFECT_RULES: list[EffectRule] = [
                "it rounds the tokenizer's vocabulary when model.vocab_size=0"),
     EffectRule("data.max_corpus_mb", ("data.path",), lambda c: c.data.path == "",
                "it caps the built-in corpus (data.path='')"),
+    *(EffectRule(f"model.{k}", ("model.hf_path",), lambda c: not c.model.hf_path,
+                 "with model.hf_path the model's shapes, vocabulary and rope come from its "
+                 "config.json")
+      for k in HF_IGNORED_MODEL_KEYS),
 ]
 
 
@@ -229,13 +234,14 @@ def validate_config(cfg: JobConfig, world_size: int):
     try:
         kv_replication(args.n_heads, args.n_kv_heads or args.n_heads, dims.ulysses)
     except ValueError as e:
+        model = f"model.hf_path={cfg.model.hf_path!r}" if cfg.model.hf_path else f"model.flavor={cfg.model.flavor!r}"
         if dims.ring == 1:
             where = f"parallelism.sp={dims.sp}"
             hint = "; parallelism.ring > 1 splits sp into ring x ulysses, and only ulysses must suit the heads"
         else:
             where = f"ulysses = parallelism.sp / parallelism.ring = {dims.sp} / {dims.ring} = {dims.ulysses}"
             hint = " (sp here is the ulysses degree)"
-        raise ConfigError(f"model.flavor={cfg.model.flavor!r} with {where}: {e}{hint}") from None
+        raise ConfigError(f"{model} with {where}: {e}{hint}") from None
     return dims
 
 
@@ -286,7 +292,10 @@ def _check_micro_batch(cfg: JobConfig, schedule, dp: int) -> None:
 
 
 def model_args(cfg: JobConfig, vocab_size: int):
-    """The LlamaArgs for this config (flavor + overrides), or a ConfigError."""
+    """The LlamaArgs for this config (flavor + overrides, or model.hf_path's
+    config.json, whose vocabulary wins over ``vocab_size``), or a ConfigError."""
+    if cfg.model.hf_path:
+        return hf_model_args(cfg)
     from ..models.llama import FLAVORS, llama_args
 
     m = cfg.model
@@ -334,15 +343,16 @@ def _check_data(cfg: JobConfig) -> None:
         "data.text_key", ("data.path",), lambda c: has_jsonl,
         "it names the text field of .jsonl records, and data.path has no .jsonl file",
     )])
-    if d.tokenizer != "byte":
-        tok = Path(d.tokenizer)
+    spec = tokenizer_spec(cfg)  # data.tokenizer, or model.hf_path's tokenizer.json
+    if spec != "byte":
+        tok = Path(spec)
         if not tok.is_file():
             raise ConfigError(
-                f"data.tokenizer={d.tokenizer!r}: no such file; valid: 'byte' or the path "
+                f"data.tokenizer={spec!r}: no such file; valid: 'byte' or the path "
                 f"of an HF tokenizer.json"
             )
         try:
             import tokenizers  # noqa: F401
         except ImportError:
-            raise ConfigError(TOKENIZERS_EXTRA_MSG.format(path=d.tokenizer)) from None
+            raise ConfigError(TOKENIZERS_EXTRA_MSG.format(path=spec)) from None
 
