@@ -100,6 +100,12 @@ def parallelize_hf_model(
     :func:`shard_hf_batch`'s inputs; generation (a KV cache) is not supported.
     """
     name = type(model).__name__
+    if getattr(pmesh.dims, "ring", 1) > 1:
+        # shard_hf_batch would lay the sequence out for a ring this path does not run.
+        raise ValueError(
+            f"parallelize_hf_model runs Ulysses only: got a mesh with ring={pmesh.dims.ring}; build it "
+            f"with ParallelDims(..., ring=1) (ring attention runs with parallelize_llama)"
+        )
     layers, attentions = _check_model(model, pmesh.dims.sp)
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
