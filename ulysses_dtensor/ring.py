@@ -14,8 +14,9 @@ Work is done per (query chunk, key chunk) pair: at step 0 the rank's own
 chunks (causal) and its tail against its head; from an earlier rank's block
 both our chunks against its head chunk; from a later rank's block our tail
 against both of its chunks (causal masking makes the rest empty: balanced).
-Backward runs one kernel per pair, so a kernel's workspace (FlashAttention's
-fp32 dq accumulator, GQA-expanded dk/dv) covers half a block.
+Backward runs each pair as kernels on halves of its rows and keys, so a
+kernel's workspace (FlashAttention's fp32 dq accumulator, GQA-expanded dk/dv)
+and its dq cover a quarter of a chunk pair.
 
 Packed documents: every rank holds the global document ids (layout order).
 A pair of different chunks shares at most one document, so it is attention of a
@@ -43,8 +44,8 @@ so it cannot give a block its own document mask or slices; its rotation and
 balancing are process-wide ``_cp_options`` (all-gather rotation by default;
 balancing on refuses non-causal attention); its merge (``_SDPAMerger``) makes
 three full fp32 temporaries and a concatenated copy per step (the forward's
-memory peak at long context); its backward runs one kernel per step (twice the
-workspace of one per chunk pair); and it has no switch to measure the overlap.
+memory peak at long context); its backward runs one kernel per step (up to four
+times the workspace of ours); and it has no switch to measure the overlap.
 It does run on gloo and with GQA.
 """
 
@@ -128,6 +129,33 @@ def _calls(i, rank, src, size, causal, s, docs: Documents | None, device):
             k_abs = slice(ks.start + k_rows.start, ks.start + k_rows.stop)
             out.append((slice(b, b + 1), q_abs, k_abs, False, None, None, False))
     return out
+
+
+def _halves(sl: slice) -> list[slice]:
+    mid = (sl.start + sl.stop) // 2
+    return [sl] if sl.stop - sl.start < 2 else [slice(sl.start, mid), slice(mid, sl.stop)]
+
+
+def _backward_pieces(qs: slice, ks: slice, causal: bool, mask: Tensor | None, varlen):
+    """One backward call as kernels on halves of its rows and keys: (q rows, k rows, causal, mask).
+
+    A backward kernel's workspace scales with its rows and keys (FlashAttention:
+    an fp32 dq accumulator over the rows, dk/dv expanded to every query head
+    over the keys under GQA): quarter-size kernels keep it, and each kernel's
+    dq, at a quarter of a chunk pair's. A causal (diagonal) pair keeps its
+    causal squares and drops the quarter above them. Varlen calls stay whole
+    (their sequences are the chunk's documents).
+    """
+    if varlen is not None:
+        return [(qs, ks, causal, mask)]
+    pieces = []
+    for a, q in enumerate(_halves(qs)):
+        for b, k in enumerate(_halves(ks)):
+            if causal and b > a:
+                continue  # keys after every query of the piece
+            m = None if mask is None else mask[:, :, q.start - qs.start : q.stop - qs.start, k.start - ks.start : k.stop - ks.start]
+            pieces.append((q, k, causal and a == b, m))
+    return pieces
 
 
 def _position(rank: int, c: int, size: int) -> int:
@@ -239,15 +267,16 @@ class _RingAttentionFn(torch.autograd.Function):
             kb, vb = _split_kv(kv, kv_shape)
             pending = []  # this step's dk/dv pieces, added once the block's accumulator is here
             calls = _calls(i, rank, src, size, causal, s, docs, q.device)
-            for (rows, qs, ks, pair_causal, mask, _, _), state in zip(calls, ctx.states[i]):
-                dq_p, dk_p, dv_p = pair_backward(
-                    dout[rows, :, qs], q[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks], out[rows, :, qs],
-                    lse[rows, :, qs].contiguous(), pair_causal, None if mask is None else mask.to(q.dtype),
-                    scale, state,
-                )
-                dq[rows, :, qs] += dq_p
-                pending.append((rows, ks, dk_p, dv_p))
-                del dq_p
+            for (rows, qs_call, ks_call, causal_call, mask_call, varlen, _), state in zip(calls, ctx.states[i]):
+                for qs, ks, pair_causal, mask in _backward_pieces(qs_call, ks_call, causal_call, mask_call, varlen):
+                    dq_p, dk_p, dv_p = pair_backward(
+                        dout[rows, :, qs], q[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks], out[rows, :, qs],
+                        lse[rows, :, qs].contiguous(), pair_causal, None if mask is None else mask.to(q.dtype),
+                        scale, state,
+                    )
+                    dq[rows, :, qs] += dq_p
+                    pending.append((rows, ks, dk_p, dv_p))
+                    del dq_p
             # The accumulator of the block held now, from the ranks that held it before.
             acc = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device) if i == 0 else _wait(dkv)
             dk_acc, dv_acc = _split_kv(acc, kv_shape)
