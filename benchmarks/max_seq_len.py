@@ -134,6 +134,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
     res = find_max_seq_len(
         cfg, gpus, budget_gib=ns.budget_gib, headroom_gib=ns.headroom_gib,
         granularity=ns.granularity, rows=1, device="cuda", layers=ns.layers,
+        guess=tuple(ns.guess) if ns.guess else None,
         confirm=not (ns.no_confirm is not None and (not ns.no_confirm or features in ns.no_confirm)),
         log=log,
     )
@@ -310,6 +311,9 @@ def main(argv=None) -> int:
     p.add_argument("--ulysses", type=int, default=0, metavar="N",
                    help="USP layout: every GPU in sp, Ulysses over N GPUs (a node), ring attention "
                         "across the GPUs / N groups (0: Ulysses only, sp = the most the heads allow)")
+    p.add_argument("--guess", nargs=2, type=int, metavar=("LO", "HI"),
+                   help="two lengths (tokens) expected to straddle the answer: planned first, they "
+                        "seed the search (e.g. from a neighbouring layout's result)")
     p.add_argument("--layers", choices=("auto", "full", "extrapolate"), default="auto")
     p.add_argument("--no-confirm", nargs="*", metavar="FEATURES", default=None,
                    help="keep extrapolated plans at the boundary (no full-trace re-plan), for these "

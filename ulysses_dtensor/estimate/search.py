@@ -50,6 +50,7 @@ def find_max_seq_len(
     confirm: bool = True,
     foreach: bool | None = None,
     max_units: int = 1 << 16,
+    guess: tuple[int, int] | None = None,
     log=None,
 ) -> SeqLenSearch:
     """Longest ``seq_len`` (a multiple of ``granularity * sp``) whose planned peak fits.
@@ -61,6 +62,10 @@ def find_max_seq_len(
     to bisection; every point is a traced plan (``layers`` as in
     :func:`plan_memory`). With ``confirm``, boundary plans that were
     extrapolated are redone with full traces and the bracket is fixed up.
+    ``guess``: two lengths (tokens) expected to straddle the answer; they are
+    planned first and seed the bracket (a wrong guess only costs the search
+    the usual extra points), which saves the long climb from one unit when a
+    nearby layout's answer is known.
     """
     from ..mesh import ParallelDims
     from ..trainer.config import validate_config
@@ -89,7 +94,7 @@ def find_max_seq_len(
                 log(f"  seq_len {k * unit:>12,}: {p.peak_gib:8.2f} GiB ({made}, {p.trace['seconds']:.0f} s)")
         return cache[(k, how)]
 
-    def search(how: str, lo: int = 0, hi: int | None = None) -> int:
+    def search(how: str, lo: int = 0, hi: int | None = None, seeds: tuple[int, ...] = ()) -> int:
         """Largest k with a fitting plan, given lo fits (or is 0) and hi does not (or None)."""
         peaks: dict[int, int] = {}
 
@@ -97,6 +102,11 @@ def find_max_seq_len(
             peaks[k] = get(k, how).peak_bytes
             return peaks[k] <= limit
 
+        for k in sorted(seeds):
+            if fits(k):
+                lo = max(lo, k)
+            elif hi is None or k < hi:
+                hi = k
         if lo == 0 and hi is None:
             if not fits(1):
                 return 0
@@ -150,7 +160,8 @@ def find_max_seq_len(
                     lo = k - 1
         return lo
 
-    k = search(layers)
+    seeds = tuple(sorted({max(1, n // unit) for n in guess})) if guess else ()
+    k = search(layers, seeds=seeds)
     confirmed = all(not get(j, layers).trace["extrapolated"] for j in (k, k + 1) if j >= 1)
     how = layers
     if confirm and not confirmed:
