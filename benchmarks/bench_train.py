@@ -36,6 +36,13 @@ Examples::
     python benchmarks/bench_train.py --mode simulate --flavor llama3_8b --world 8 --sp 8 \\
         --local-seq 32K 128K --ac full --tiled-loss --tiled-mlp --compile
     torchrun --nproc_per_node=8 benchmarks/bench_train.py --mode real --flavor llama3_8b --seq 64K
+    python benchmarks/bench_train.py --mode real --sp 2 4 --world 4 --seq 2048 --compare
+
+Real mode also times the Ulysses all-to-alls of each timed step (CUDA events,
+or wall clock on CPU; eager only) and reports their share of the step
+(``exchange``). ``--compare`` adds one JSON object with every configuration's
+tokens/s, peak memory and exchange share side by side (SP on and off, or two
+sp degrees, on the same model and sequence length).
 
 See benchmarks/README.md for every field.
 """
@@ -62,6 +69,7 @@ import _common as C  # noqa: E402
 
 from ulysses_dtensor.batch import shard_batch  # noqa: E402
 from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
+from ulysses_dtensor.comm_timing import ExchangeTimer  # noqa: E402
 from ulysses_dtensor.loss import count_valid_tokens  # noqa: E402
 from ulysses_dtensor.mesh import ParallelDims  # noqa: E402
 from ulysses_dtensor.models.llama import Llama, llama_args  # noqa: E402
@@ -184,6 +192,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fsdp-gbps", type=float, help="simulate: FSDP collective bandwidth, GB/s (default = --link-gbps)")
     p.add_argument("--latency-us", type=float, default=0.0, help="simulate: added per modelled collective call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", action="store_true",
+                   help="real mode: after the records, one JSON object comparing the configurations "
+                        "(tokens/s, peak memory, all-to-all share of step time)")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny smoke run: real {QUICK_REAL}; simulate {QUICK_SIM}")
     a = p.parse_args(argv)
@@ -437,9 +448,20 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
     else:
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-    # 4) timed steps
+    # 4) timed steps; in real eager runs each with its own all-to-all timer
+    timers: list[ExchangeTimer] = []
+    timed = not simulate and not a.compile
+
+    def timed_step():
+        if not timed:
+            return step()
+        timers.append(ExchangeTimer(device))
+        with timers[-1].active():
+            step()
+
     barrier = None if simulate or world == 1 else dist.barrier
-    times = C.timed_interleaved({"step": step}, warmup=0, iters=a.iters, device=device, barrier=barrier)
+    times = C.timed_interleaved({"step": timed_step}, warmup=0, iters=a.iters, device=device, barrier=barrier)
+    exchange = exchange_record(timers, times["step"], device, a) if not simulate else None
     if not simulate:
         times = C.max_over_ranks(times, device)
     if device.type == "cuda":
@@ -463,12 +485,33 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
         "fsdp_sent": dict(fsdp.sent),
         "memory": mem,
         "backend": dist.get_backend(),
+        "exchange": exchange,
     }
-    del model, optimizer, params, batch, step
+    del model, optimizer, params, batch, step, timed_step
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return raw
+
+
+def exchange_record(timers: list[ExchangeTimer], local_times: list[float], device: torch.device, a) -> dict:
+    """This rank's all-to-all time per timed step and its share of the step (rank 0 reports)."""
+    if not timers:
+        return {"measured": False, "reason": "--compile: compiled blocks cannot carry the timer"}
+    reads = [t.read() for t in timers]
+    shares = [r["total_s"] / t for r, t in zip(reads, local_times)]
+    return {
+        "measured": True,
+        "method": ("CUDA events around each all-to-all and its wait, read after the step"
+                   if device.type == "cuda" else "wall clock around each all-to-all and its wait (gloo)"),
+        "rank": dist.get_rank(),
+        "calls_per_step": reads[0]["calls"],
+        "median_ms": round(statistics.median(r["total_s"] for r in reads) * 1e3, 4),
+        "forward_median_ms": round(statistics.median(r["forward_s"] for r in reads) * 1e3, 4),
+        "backward_median_ms": round(statistics.median(r["backward_s"] for r in reads) * 1e3, 4),
+        "share_of_step": round(statistics.median(shares), 6),
+        "shares": [round(x, 6) for x in shares],
+    }
 
 
 def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, simulate: bool,
@@ -536,6 +579,8 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
         "all_to_all": a2a_rec,
         "fsdp": {"calls": raw["fsdp_calls"], "sent_bytes_per_rank": raw["fsdp_sent"]},
     }
+    if raw.get("exchange") is not None:
+        rec["exchange"] = raw["exchange"]
     if extrapolated:
         rec["extrapolated"] = extrapolated
         a2a_rec["bytes_match"] = None  # not counted: the formula at n_layers
@@ -664,7 +709,34 @@ def real_worker(rank, world, device, report, a, sp):
     sweep(a, pmesh, device, report, simulate=False)
 
 
+def compare_record(records: list[dict]) -> dict:
+    """The configurations of one real run side by side (same model and length)."""
+    rows = []
+    for r in records:
+        if r.get("mode") != "real" or "figures" not in r:
+            continue
+        ex = r.get("exchange", {})
+        rows.append({
+            "sp": r["config"]["mesh"]["sp"], "world_size": r["world_size"], "seq": r["config"]["seq"],
+            "n_layers": r["config"]["model"]["n_layers"],
+            "step_ms": r["figures"]["step_ms"], "tokens_per_s": r["figures"]["tokens_per_s"],
+            "tokens_per_s_per_device": r["figures"]["tokens_per_s_per_device"],
+            "peak_gib": r["memory"]["peak_gib"],
+            "exchange_ms": ex.get("median_ms"), "exchange_share": ex.get("share_of_step"),
+        })
+    return {"bench": "train_compare", **C.env_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+            "note": "one row per configuration of this run; exchange = Ulysses all-to-all time per step "
+                    "on rank 0 (forward + backward) and its share of rank 0's step time",
+            "rows": rows}
+
+
 def main_real(a) -> int:
+    records: list[dict] = []
+
+    def keep(record: dict) -> None:
+        records.append(record)
+        C.emit(record, out)
+
     env = C.torchrun_env()
     if env is not None:  # one rank of torchrun: sp values that divide the world
         rank, world, local_rank = env
@@ -672,17 +744,22 @@ def main_real(a) -> int:
         if a.threads:
             torch.set_num_threads(a.threads)
         device = C.init_distributed(a.device, rank, world, local_rank, None, a.offload_params)
-        report = (lambda r: C.emit(r, out)) if rank == 0 else (lambda r: None)
+        report = keep if rank == 0 else (lambda r: None)
         with finish_together():
             for sp in (a.sp if a.sp_given else [world // a.dp_replicate]):
                 real_worker(rank, world, device, report, a, sp)
+        if a.compare and rank == 0:
+            C.emit(compare_record(records), out)
         return 0
     ok = True
+    out = None  # C.emit's default: stdout
     for sp in a.sp:
         world = a.world or sp * a.dp_replicate
         threads = a.threads or max(1, C.usable_cores() // world)
         ok &= C.launch_ranks(world, real_worker, (a, sp), device_type=a.device, threads=threads,
-                             cpu_collectives=a.offload_params)
+                             cpu_collectives=a.offload_params, on_record=keep)
+    if a.compare:
+        C.emit(compare_record(records))
     return 0 if ok else 1
 
 
