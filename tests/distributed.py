@@ -52,6 +52,18 @@ def _reset_between_tasks() -> None:
         if pg is not world:
             dist.destroy_process_group(pg)
     torch._dynamo.reset()
+    # DTensor caches sharding decisions per op and input specs (in Python and
+    # in its C++ fast path). A DeviceMesh compares equal to any mesh of the same
+    # layout and names, whatever its process groups, so a later task building
+    # the same mesh would get output specs carrying this task's mesh, whose
+    # groups were just destroyed ("Could not resolve the process group").
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # older torch: the Python cache only
+        from torch.distributed.tensor import DTensor
+
+        _clear_sharding_prop_cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear
+    _clear_sharding_prop_cache()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(1)

@@ -175,6 +175,8 @@ def test_tokenizers_extra_message(tmp_path, monkeypatch):
 def test_shipped_configs_parse():
     for path in sorted((REPO / "train_configs").glob("*.toml")):
         c = load_config(["--config", str(path)])
+        if c.model.hf_path:
+            continue  # needs its model directory: validated in test_hf_checkpoint.py
         n = c.parallelism.dp_replicate * max(c.parallelism.dp_shard, 1) * c.parallelism.sp
         validate_config(c, n)
 
@@ -264,6 +266,15 @@ EFFECT_CASES = {
     "eval.loss_rows": ("2", []),
     "eval.data_path": ("held_out.jsonl", []),
     "eval.holdout_fraction": ("0.1", []),
+    # Without effect under model.hf_path (its config.json sets them).
+    "model.flavor": ("llama3_8b", []),
+    "model.vocab_size": ("512", []),
+    "model.dim": ("128", []),
+    "model.n_layers": ("4", []),
+    "model.n_heads": ("4", []),
+    "model.n_kv_heads": ("2", []),
+    "model.ffn_dim": ("256", []),
+    "model.rope_theta": ("10000", []),
 }
 # What turns each off (the defaults already do for the others).
 EFFECT_OFF = {
@@ -276,6 +287,8 @@ EFFECT_OFF = {
     "data.max_corpus_mb": ["--data.path", "corpus.txt"],
     **{f"eval.{k}": ["--eval.tasks", "loss"] for k in ("depths", "samples", "seed")},
     **{f"eval.{k}": ["--eval.tasks", "passkey"] for k in ("loss_rows", "data_path", "holdout_fraction")},
+    **{f"model.{k}": ["--model.hf_path", "hf_model_dir"] for k in (
+        "flavor", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta")},
 }
 
 

@@ -143,3 +143,45 @@ def test_eval_config_errors(tmp_path):
     cfg = parse_config({"eval": {"interval": 1, "tasks": ["passkey", "multikey"], "lengths": [300]}})
     with pytest.raises(ConfigError, match=r"eval.lengths \[300\] are too short for eval task 'multikey'"):
         check_eval_setup(cfg, ByteTokenizer())
+
+
+def test_eval_of_an_hf_model_directory(runs, tmp_path):
+    """``model.hf_path`` without ``--checkpoint``: the HF model itself is evaluated
+    (the base model before a context extension); its answer log-probabilities are
+    those transformers computes."""
+    import shutil
+    import sys
+
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from make_tiny_hf_model import hf_config, hf_model
+
+    from ulysses_dtensor.data import HFTokenizer
+    from ulysses_dtensor.eval import evaluate
+    from ulysses_dtensor.evaluation.scoring import teacher_forced_score
+    from ulysses_dtensor.evaluation.tasks import SampleGenerator
+
+    d, tok = runs
+    hf_dir = tmp_path / "hf_llama"
+    model = hf_model(hf_config("llama", vocab_size=448), seed=0, perturb=0.1)
+    model.save_pretrained(hf_dir)
+    shutil.copy(tok, hf_dir / "tokenizer.json")
+    length = 130
+    rows = evaluate(["--config", str(REPO / "train_configs" / "debug_eval.toml"),
+                     "--model.hf_path", str(hf_dir), "--data.tokenizer", str(hf_dir / "tokenizer.json"),
+                     "--parallelism.sp", "1",
+                     "--job.dump_folder", str(tmp_path / "dump"), "--eval.tasks", "passkey",
+                     "--eval.depths", "2", "--eval.lengths", str(length)])
+    cells = [r for r in rows if r["kind"] == "retrieval"]
+    assert [r["depth"] for r in cells] == [0.0, 1.0] and rows[-1]["step"] == 0
+    gen = SampleGenerator(HFTokenizer(hf_dir / "tokenizer.json"), seed=1234)  # eval.seed's default
+    for r in cells:
+        s = gen.sample("passkey", length, r["depth"])
+        with torch.no_grad():
+            logits = model(torch.from_numpy(s.tokens)[None]).logits[0]
+        ok, logprob = teacher_forced_score(logits[s.answer_start - 1:-1], torch.from_numpy(s.tokens[s.answer_start:]))
+        assert r["correct"] == [ok] and r["needle_index"] == [s.needle_index]
+        assert np.isclose(r["mean_logprob"], logprob, atol=1e-4), (r["mean_logprob"], logprob)
+    assert (tmp_path / "dump" / "eval_checkpoint" / "eval.jsonl").is_file()

@@ -213,6 +213,12 @@ def test_mesh_independence_4_ranks(tmp_path):
         {"dims": (2, 1, 2), "ac_mode": "selective", "selective_ac": "op"},
         {"dims": (1, 2, 2), "ac_mode": "selective", "selective_ac": 2, "overrides": {"tie_embeddings": True}},
         {"dims": (1, 2, 2), "param_dtype": "bfloat16"},
+        # torch.compile with HSDP x sp and selective AC in the graph; aot_eager
+        # (same graphs and autograd as inductor, no C++ codegen). Inductor runs
+        # on (1, 2, 2) in test_compiled_inductor_4_ranks: between them every
+        # mesh dim is compiled, and compiled code does not see the dp dims
+        # (FSDP's hooks sit outside the compiled blocks).
+        {"dims": (2, 1, 2), "compile": True, "compile_backend": "aot_eager", "ac_mode": "selective"},
     ]
     run_configs(4, configs, tmp_path)
 
@@ -224,16 +230,12 @@ def test_mesh_independence_8_ranks(tmp_path):
         {"dims": (1, 4, 2)},
         {"dims": (1, 2, 4), "flavor": "debug_gqa"},
         {"dims": (2, 1, 4), "flavor": "debug_gqa", "ac_mode": "selective"},
-        # torch.compile on the 3-D mesh with selective AC in the graph; aot_eager
-        # (same graphs and autograd as inductor, no C++ codegen: 8 ranks on 2
-        # cores). Inductor runs in test_compiled_inductor_4_ranks.
-        {"dims": (2, 2, 2), "compile": True, "compile_backend": "aot_eager", "ac_mode": "selective"},
     ]
     run_configs(8, configs, tmp_path)
 
 
-# torch.compile with inductor (CPU C++ codegen). The 3-D mesh runs compiled
-# with aot_eager in test_mesh_independence_8_ranks.
+# torch.compile with inductor (CPU C++ codegen). HSDP runs compiled with
+# aot_eager in test_mesh_independence_4_ranks.
 def test_compiled_inductor_4_ranks(tmp_path):
     (res,) = run_configs(4, [{"dims": (1, 2, 2), "compile": True, "compile_backend": "inductor"}], tmp_path)
     print(f"inductor (1,2,2): first 3 steps incl. compile {res['train_s']} s")

@@ -7,9 +7,11 @@ The config is the training config (its ``[eval]`` section says what to
 evaluate; ``[parallelism]``, ``[model]``, ``[memory]``, ``[training]`` how to run
 the model: the same mesh, attention backend and memory features as training).
 ``--checkpoint`` is a ``step-N`` folder of this trainer's DCP checkpoints, or a
-checkpoint folder (its newest complete step); default: the config's
-``<job.dump_folder>/<checkpoint.folder>``. The mesh may differ from the one the
-checkpoint was saved on. Results go to ``--output`` (default
+checkpoint folder (its newest complete step). Without it: the Hugging Face
+model of ``model.hf_path`` itself when the config has one (e.g. the base model
+before a context extension; reported as step 0), else the newest checkpoint in
+the config's ``<job.dump_folder>/<checkpoint.folder>``. The mesh may differ from
+the one the checkpoint was saved on. Results go to ``--output`` (default
 ``<job.dump_folder>/eval_checkpoint``): ``eval.jsonl``, the PNGs, and TensorBoard
 events under ``tb/`` with ``metrics.enable_tensorboard``. Same code as the
 trainer's periodic evaluation, same numbers for the same weights.
@@ -55,6 +57,7 @@ def evaluate(argv: list[str]) -> list[dict]:
     from .runtime import finish_together
     from .trainer.config import load_config, validate_config
     from .trainer.config_checks import check_eval_data
+    from .trainer.hf_start import tokenizer_spec
     from .trainer.eval_setup import (
         check_eval_setup,
         eval_lengths,
@@ -73,12 +76,15 @@ def evaluate(argv: list[str]) -> list[dict]:
     dims = validate_config(cfg, world)
     check_eval_data(cfg)
     lengths = eval_lengths(cfg)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    tokenizer = build_tokenizer(tokenizer_spec(cfg))
     check_eval_setup(cfg, tokenizer, lengths=lengths)
     vocab_size = resolve_vocab_size(cfg, tokenizer.vocab_size)
     train_source, held_out = split_for_eval(cfg, build_source(cfg.data.path, cfg.data.text_key,
                                                                cfg.data.max_corpus_mb))
-    checkpoint = find_checkpoint(own.get("checkpoint", cfg.checkpoint_folder))
+    if "checkpoint" in own or not cfg.model.hf_path:
+        checkpoint = find_checkpoint(own.get("checkpoint", cfg.checkpoint_folder))
+    else:
+        checkpoint = None  # the HF model directory itself
     output = Path(own.get("output", cfg.dump_folder / "eval_checkpoint"))
     problem = held_out_error(held_out, tokenizer, cfg.eval.loss_rows, max(lengths))
     if problem:
@@ -89,7 +95,8 @@ def evaluate(argv: list[str]) -> list[dict]:
     with context:
         pmesh = dims.build_mesh(device.type)
         model, train_state = model_for_eval(cfg, pmesh, device, vocab_size, checkpoint)
-        mismatch = held_out_mismatch(cfg, train_source, train_state)
+        # Our checkpoints record what they trained on; an HF model's pretraining data is unknown.
+        mismatch = checkpoint is not None and held_out_mismatch(cfg, train_source, train_state)
         if mismatch:
             raise DataError(f"{checkpoint}: {mismatch}")
         loss_chunks = cfg.memory.loss_chunks if cfg.memory.tiled_loss and cfg.memory.loss_chunks else None
@@ -97,7 +104,8 @@ def evaluate(argv: list[str]) -> list[dict]:
                               device, held_out)
         step = int(train_state["step"])
         if dist.get_rank() == 0:
-            print(f"evaluating {checkpoint} (step {step}) at {lengths} on dp_replicate={dims.dp_replicate} "
+            what = checkpoint if checkpoint is not None else f"model.hf_path={cfg.model.hf_path}"
+            print(f"evaluating {what} (step {step}) at {lengths} on dp_replicate={dims.dp_replicate} "
                   f"dp_shard={dims.dp_shard} sp={dims.sp}: {', '.join(cfg.eval.tasks)}", flush=True)
         result = evaluator.run(step, lengths)
         writer = None

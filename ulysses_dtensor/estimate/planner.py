@@ -168,7 +168,7 @@ def plan_memory(
     from ..models.llama import FLAVORS
 
     flavor_vocab = FLAVORS[cfg.model.flavor].vocab_size
-    if vocab != flavor_vocab:
+    if vocab != flavor_vocab and not cfg.model.hf_path:  # hf_path: the model's own vocabulary
         notes.append(
             f"vocab {vocab} from data.tokenizer={cfg.data.tokenizer!r}; the flavor's own "
             f"vocabulary is {flavor_vocab} (plan it with --model.vocab_size {flavor_vocab})"
@@ -240,7 +240,7 @@ def plan_memory(
         )
     notes.append("packed-document masking not modelled: traced as one causal document per row")
     return MemoryPlan(
-        flavor=cfg.model.flavor,
+        flavor=cfg.model.hf_path or cfg.model.flavor,
         world_size=world_size,
         dp_replicate=dims.dp_replicate,
         dp_shard=dims.dp_shard,

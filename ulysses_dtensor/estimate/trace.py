@@ -4,6 +4,7 @@ traces linearly in the layer count."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -89,6 +90,9 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
     dims = validate_config(cfg, world_size)
     vocab = _vocab_size(cfg)
     args = model_args(cfg, vocab)
+    if cfg.model.hf_path and cfg.model.n_layers:
+        # The planner's shorter traces set n_layers; an HF config.json fixes the rest.
+        args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
     seq_len = cfg.training.seq_len
     s_local = seq_len // dims.sp
     t0 = time.perf_counter()
@@ -96,7 +100,7 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
         pmesh = dims.build_mesh("cpu")  # before fake mode: flattening reads real tensors
         with FakeTensorMode(allow_non_fake_inputs=True), _private_sharding_prop_fake_mode():
             # Weight values do not matter for memory, and the init needs real data.
-            model = build_model(cfg, pmesh, vocab, torch.device("cpu"), init_weights=False)
+            model = build_model(cfg, pmesh, vocab, torch.device("cpu"), init_weights=False, args=args)
             offloader = getattr(model, "offloader", None)
             if offloader is not None and device == "cuda":
                 # Host copies on "meta": free on the traced device, counted as host memory.

@@ -5,11 +5,16 @@ The only place that needs the whole sequence is ``attention.inner`` (a
 :class:`~ulysses_dtensor.attention.LocalAttention`), which is what
 :class:`~ulysses_dtensor.ulysses.UlyssesAttention` is applied to.
 
-Rotary embeddings are computed on the fly from ``position_ids`` (there is no
-``max_seq_len`` table: sequences reach millions of tokens), in float64 so the
-angle of position 10^6 is still exact to float32, and applied on the local
-slice before the exchange. With global position ids (``shard_batch`` gives
-them) rope on a slice equals rope on the full sequence.
+Rotary embeddings (``rope.py``) are computed on the fly from ``position_ids``
+and applied on the local slice before the exchange. With global position ids
+(``shard_batch`` gives them) rope on a slice equals rope on the full sequence.
+
+The same module covers the Hugging Face families (see ``hf_checkpoint.py``):
+q/k/v bias (Qwen2), RMSNorm of q and k over head_dim (Qwen3), a head_dim that is
+not ``dim / n_heads`` (Qwen3, Mistral-Nemo), and the rotate-half rope layout
+(``rope_layout="half"``) in which HF stores q/k projections. Our own flavors keep
+Meta's interleaved layout; the two are the same model up to a permutation of
+each head's q/k rows (``hf_checkpoint.interleaved_to_half``).
 
 Typical life cycle::
 
@@ -35,10 +40,12 @@ from ..attention import LocalAttention, check_backend
 from ..loss import sp_cross_entropy
 from ..suggest import unknown_name
 from .norm import RMSNorm
+from .rope import ROPE_LAYOUTS, apply_rope, rope_cos_sin, rope_frequencies
 from ..tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
 
 __all__ = [
     "FLAVORS",
+    "ROPE_LAYOUTS",
     "Llama",
     "LlamaArgs",
     "apply_rope",
@@ -68,6 +75,15 @@ class LlamaArgs:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    # Which q/k dims rope rotates together: "interleaved" pairs (2i, 2i+1)
+    # (Meta's layout, our flavors) or "half" pairs (i, i + head_dim/2) (the
+    # rotate-half layout of Hugging Face checkpoints, loaded unpermuted).
+    rope_layout: str = "interleaved"
+    # Width of one attention head; 0: dim // n_heads. Qwen3 and Mistral-Nemo
+    # set their own (n_heads * head_dim != dim).
+    explicit_head_dim: int = 0
+    qkv_bias: bool = False  # bias on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head over head_dim, before rope (Qwen3)
 
     def __post_init__(self) -> None:
         check_backend(self.attn_backend)
@@ -75,14 +91,22 @@ class LlamaArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"LlamaArgs.{name}={value!r} must be an integer >= 1")
-        if self.dim % self.n_heads:
+        if self.rope_layout not in ROPE_LAYOUTS:
             raise ValueError(
-                f"LlamaArgs.dim={self.dim} must be divisible by n_heads={self.n_heads}"
+                f"LlamaArgs.rope_layout={self.rope_layout!r}; valid: {', '.join(ROPE_LAYOUTS)}"
             )
-        if (self.dim // self.n_heads) % 2:
+        if not isinstance(self.explicit_head_dim, int) or self.explicit_head_dim < 0:
             raise ValueError(
-                f"head_dim = dim / n_heads = {self.dim // self.n_heads} must be even for rope"
+                f"LlamaArgs.explicit_head_dim={self.explicit_head_dim!r} must be an integer "
+                ">= 0 (0: dim // n_heads)"
             )
+        if not self.explicit_head_dim and self.dim % self.n_heads:
+            raise ValueError(
+                f"LlamaArgs.dim={self.dim} must be divisible by n_heads={self.n_heads} "
+                "(or set explicit_head_dim)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = {self.head_dim} must be even for rope")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"LlamaArgs.n_heads={self.n_heads} must be a multiple of "
@@ -91,7 +115,7 @@ class LlamaArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
 
 
 FLAVORS: dict[str, LlamaArgs] = {
@@ -138,51 +162,6 @@ def _unknown(what: str, name, valid) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Rotary embeddings, computed from position ids
-# ---------------------------------------------------------------------------
-
-
-def rope_frequencies(args: LlamaArgs, device=None) -> Tensor:
-    """Inverse frequencies ``(head_dim/2,)`` in float64, Llama-3.1 scaled if enabled.
-
-    Wavelengths shorter than ``original_max_len / high_freq_factor`` are kept,
-    longer than ``original_max_len / low_freq_factor`` are divided by
-    ``rope_scaling_factor``, and those in between are interpolated smoothly.
-    """
-    hd = args.head_dim
-    inv_freq = args.rope_theta ** (
-        -torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd
-    )
-    if not args.rope_scaling:
-        return inv_freq
-    factor = args.rope_scaling_factor
-    low, high, orig = args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_original_max_len
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((orig / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    # smooth = 1 for short wavelens (kept), 0 for long ones (divided by factor).
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-
-
-def rope_cos_sin(position_ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """``(B, S)`` positions -> float32 ``cos, sin`` of shape ``(B, S, head_dim/2)``.
-
-    Angles are formed in float64: at position 10^6 a float32 product would be
-    off by up to 0.06 rad.
-    """
-    angles = position_ids.to(torch.float64)[..., None] * inv_freq.to(position_ids.device)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate consecutive pairs ``(x[2i], x[2i+1])`` of ``x: (B, S, H, D)`` (Meta's layout)."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
-    return out.type_as(x)
-
-
-# ---------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------
 
@@ -193,10 +172,17 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.rope_layout = args.rope_layout
+        bias = args.qkv_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         # Sees (B, S, H, D) q/k/v. Under Ulysses: the full sequence, H/sp heads.
         self.inner = LocalAttention(args.attn_backend)
 
@@ -205,7 +191,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin, self.rope_layout)
+        k = apply_rope(k, cos, sin, self.rope_layout)
         out = self.inner(q, k, v, document_ids=document_ids)
         return self.wo(out.reshape(b, s, -1))
 
@@ -403,6 +392,11 @@ class Llama(nn.Module):
             att, ff = layer.attention, layer.feed_forward
             for n in ("wq", "wk", "wv"):
                 yield pre + f"attention.{n}.weight", getattr(att, n).weight, "trunc_normal", 0.02
+                if a.qkv_bias:
+                    yield pre + f"attention.{n}.bias", getattr(att, n).bias, "zeros", 0.0
+            if a.qk_norm:
+                yield pre + "attention.q_norm.weight", att.q_norm.weight, "ones", 0.0
+                yield pre + "attention.k_norm.weight", att.k_norm.weight, "ones", 0.0
             yield pre + "attention.wo.weight", att.wo.weight, "trunc_normal", depth_std
             yield pre + "feed_forward.w1.weight", ff.w1.weight, "trunc_normal", 0.02
             yield pre + "feed_forward.w2.weight", ff.w2.weight, "trunc_normal", depth_std
@@ -464,8 +458,8 @@ def _init_param(param: Tensor, name: str, kind: str, std: float, seed: int) -> N
             f"init_weights: parameter {name} is on the meta device; call "
             "model.to_empty(device=...) first"
         )
-    if kind == "ones":
-        local.fill_(1.0)
+    if kind in ("ones", "zeros"):
+        local.fill_(1.0 if kind == "ones" else 0.0)
         return
     if local.numel() == 0:
         return

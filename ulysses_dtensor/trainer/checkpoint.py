@@ -5,6 +5,7 @@ Layout of ``<dump_folder>/<checkpoint.folder>/``::
     step-200/            a complete checkpoint (has the COMPLETE marker)
         .metadata, __0_0.distcp, ...   model + optimizer, DCP (each rank its shards)
         train_state.json               step, data cursor, context stage, lr (global)
+        model.json                     model args, source HF config, tokenizer (for export)
         rng/rank{r}.pt                 each rank's torch RNG state
         COMPLETE                       written last
     step-300.tmp/        a save in progress, or one a kill interrupted: ignored
@@ -41,9 +42,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["CheckpointManager", "COMPLETE_MARKER", "complete_steps", "load_model_weights"]
+__all__ = ["CheckpointManager", "COMPLETE_MARKER", "MODEL_INFO_FILE", "complete_steps",
+           "load_model_weights"]
 
 COMPLETE_MARKER = "COMPLETE"
+MODEL_INFO_FILE = "model.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
 
@@ -138,8 +141,14 @@ class CheckpointManager:
         return self.enable and (step % self.interval == 0 or step == last_step)
 
     # ---------------------------------------------------------------- save
-    def save(self, step: int, model: torch.nn.Module, optimizer, train_state: dict) -> Path:
-        """Save collectively (every rank calls it); returns the final folder."""
+    def save(
+        self, step: int, model: torch.nn.Module, optimizer, train_state: dict, model_info: dict | None = None
+    ) -> Path:
+        """Save collectively (every rank calls it); returns the final folder.
+
+        ``model_info`` (JSON-able: model args, source HF config, tokenizer) goes
+        to ``model.json``, what ``python -m ulysses_dtensor.export`` reads.
+        """
         rank = _rank()
         tmp = self.folder / f"step-{step}.tmp"
         final = self.path(step)
@@ -155,6 +164,8 @@ class CheckpointManager:
         torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
         if rank == 0:
             _fsync_write(tmp / "train_state.json", json.dumps(train_state, indent=1))
+            if model_info is not None:
+                _fsync_write(tmp / MODEL_INFO_FILE, json.dumps(model_info, indent=1))
         _barrier()  # every rank's files are written
 
         if rank == 0:

@@ -23,6 +23,7 @@ from typing import Callable
 from ..data import DATA_SUFFIXES, TOKENIZERS_EXTRA_MSG, data_files
 from ..suggest import did_you_mean
 from .config_schema import SOURCE_DEFAULT, ConfigError, JobConfig
+from .hf_start import HF_IGNORED_MODEL_KEYS, hf_model_args, tokenizer_spec
 
 __all__ = ["check_values", "validate_config", "model_args", "inactive_settings", "EFFECT_RULES",
            "check_eval_data"]
@@ -96,6 +97,10 @@ EFFECT_RULES: list[EffectRule] = [
     *(EffectRule(f"eval.{k}", ("eval.tasks",), lambda c: "loss" in c.eval.tasks,
                  "it is for the held-out loss by position ('loss' in eval.tasks)")
       for k in ("loss_rows", "data_path", "holdout_fraction")),
+    *(EffectRule(f"model.{k}", ("model.hf_path",), lambda c: not c.model.hf_path,
+                 "with model.hf_path the model's shapes, vocabulary and rope come from its "
+                 "config.json")
+      for k in HF_IGNORED_MODEL_KEYS),
 ]
 
 
@@ -270,9 +275,8 @@ def validate_config(cfg: JobConfig, world_size: int):
     try:
         kv_replication(args.n_heads, args.n_kv_heads or args.n_heads, dims.sp)
     except ValueError as e:
-        raise ConfigError(
-            f"model.flavor={cfg.model.flavor!r} with parallelism.sp={dims.sp}: {e}"
-        ) from None
+        model = f"model.hf_path={cfg.model.hf_path!r}" if cfg.model.hf_path else f"model.flavor={cfg.model.flavor!r}"
+        raise ConfigError(f"{model} with parallelism.sp={dims.sp}: {e}") from None
     return dims
 
 
@@ -293,7 +297,10 @@ def _check_micro_batch(cfg: JobConfig, schedule, dp: int) -> None:
 
 
 def model_args(cfg: JobConfig, vocab_size: int):
-    """The LlamaArgs for this config (flavor + overrides), or a ConfigError."""
+    """The LlamaArgs for this config (flavor + overrides, or model.hf_path's
+    config.json, whose vocabulary wins over ``vocab_size``), or a ConfigError."""
+    if cfg.model.hf_path:
+        return hf_model_args(cfg)
     from ..models.llama import FLAVORS, llama_args
 
     m = cfg.model
@@ -341,17 +348,18 @@ def _check_data(cfg: JobConfig) -> None:
         "data.text_key", ("data.path",), lambda c: has_jsonl,
         "it names the text field of .jsonl records, and data.path has no .jsonl file",
     )])
-    if d.tokenizer != "byte":
-        tok = Path(d.tokenizer)
+    spec = tokenizer_spec(cfg)  # data.tokenizer, or model.hf_path's tokenizer.json
+    if spec != "byte":
+        tok = Path(spec)
         if not tok.is_file():
             raise ConfigError(
-                f"data.tokenizer={d.tokenizer!r}: no such file; valid: 'byte' or the path "
+                f"data.tokenizer={spec!r}: no such file; valid: 'byte' or the path "
                 f"of an HF tokenizer.json"
             )
         try:
             import tokenizers  # noqa: F401
         except ImportError:
-            raise ConfigError(TOKENIZERS_EXTRA_MSG.format(path=d.tokenizer)) from None
+            raise ConfigError(TOKENIZERS_EXTRA_MSG.format(path=spec)) from None
 
 
 

@@ -48,6 +48,9 @@ class Job:
 
 @dataclass
 class Model:
+    hf_path: str = _f(
+        "", "a local Hugging Face model directory (config.json + *.safetensors) to start from; "
+        "its config sets the shapes and vocabulary (flavor and the overrides then have no effect)")
     flavor: str = _f("debug", "model size, a key of ulysses_dtensor.models.llama.FLAVORS")
     attn_backend: str = _f(
         "auto", "local attention after the all-to-all (auto: sdpa on CPU, flash_attn/varlen on CUDA bf16)", BACKENDS

@@ -66,8 +66,8 @@ def check_eval_setup(cfg: JobConfig, tokenizer, *, lengths: list[int] | None = N
         if short:
             where = "eval.lengths" if cfg.eval.lengths else "the training lengths (eval.lengths is empty)"
             raise ConfigError(
-                f"{where} {short} are too short for eval task {task!r} with data.tokenizer="
-                f"{cfg.data.tokenizer!r}: its prompt and answer need {tokens} tokens before any filler; "
+                f"{where} {short} are too short for eval task {task!r} with the tokenizer "
+                f"{getattr(tokenizer, 'name', 'byte')!r}: its prompt and answer need {tokens} tokens before any filler; "
                 f"use lengths >= {tokens} or drop {task!r} from eval.tasks"
             )
 
@@ -144,20 +144,20 @@ def publish(result: EvalResult, folder: Path, tb_writer=None, step_seconds: floa
     print(report.summary_line(result, step_seconds) + f" -> {folder / 'eval.jsonl'}{note}", flush=True)
 
 
-def model_for_eval(cfg: JobConfig, pmesh, device: torch.device, vocab_size: int, checkpoint: Path):
+def model_for_eval(cfg: JobConfig, pmesh, device: torch.device, vocab_size: int, checkpoint: Path | None):
     """The model to evaluate, parallelized like training, with the evaluated weights.
 
-    Today the weights come from a DCP checkpoint of this trainer (model state
-    only; any mesh). This is the one place that decides where weights come
-    from: a Hugging Face model directory (``[model] hf_path``, issue "Real
-    checkpoints in and out") plugs in here by loading its safetensors into the
-    same parallelized model instead of ``load_model_weights``, with the
-    tokenizer from that directory.
-    Returns ``(model, train_state)``.
+    ``checkpoint``: a DCP checkpoint folder of this trainer (model state only;
+    any mesh); None: the Hugging Face model of ``model.hf_path`` itself (its
+    safetensors, read shard by shard), e.g. the base model before a context
+    extension. Returns ``(model, train_state)``; ``train_state`` is the
+    checkpoint's (``{"step": 0}`` for an HF model).
     """
     from .checkpoint import load_model_weights
     from .loop import build_model
 
+    if checkpoint is None:
+        return build_model(cfg, pmesh, vocab_size, device, init_weights=True), {"step": 0}
     model = build_model(cfg, pmesh, vocab_size, device, init_weights=False)
     load_model_weights(checkpoint, model)
     with open(Path(checkpoint) / "train_state.json") as fh:

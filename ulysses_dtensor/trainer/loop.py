@@ -35,6 +35,7 @@ from .checkpoint import CheckpointManager
 from ..data_checks import DataError, check_corpus
 from .config import ConfigError, JobConfig, inactive_settings, model_args, validate_config
 from .eval_setup import PeriodicEval, check_eval_setup, held_out_error, split_for_eval
+from .hf_start import model_info, tokenizer_spec
 from .metrics import MetricsLogger
 from .step import build_optimizer, train_step
 
@@ -74,6 +75,15 @@ def init_distributed(cpu_collectives: bool = False) -> tuple[torch.device, bool]
 
 
 def resolve_vocab_size(cfg: JobConfig, tokenizer_vocab: int) -> int:
+    if cfg.model.hf_path:
+        vocab = model_args(cfg, 0).vocab_size
+        if tokenizer_vocab > vocab:
+            raise ConfigError(
+                f"the tokenizer {tokenizer_spec(cfg)!r} has {tokenizer_vocab} tokens, more than "
+                f"the vocabulary of {vocab} of model.hf_path={cfg.model.hf_path!r}; use the "
+                f"model's own tokenizer"
+            )
+        return vocab
     if cfg.model.vocab_size:
         if cfg.model.vocab_size < tokenizer_vocab:
             raise ConfigError(
@@ -90,14 +100,19 @@ def _print0(*args) -> None:
         print(*args, flush=True)
 
 
-def build_model(cfg: JobConfig, pmesh, vocab_size: int, device: torch.device, *, init_weights: bool = True):
+def build_model(
+    cfg: JobConfig, pmesh, vocab_size: int, device: torch.device, *, init_weights: bool = True, args=None
+):
     """The parallelized Llama of ``cfg``, materialised on ``device`` (parameter
-    shards on the host with ``memory.offload_params``); ``init_weights=False``
-    leaves the values uninitialised (memory planning)."""
+    shards on the host with ``memory.offload_params``), its weights loaded from
+    ``model.hf_path`` (each rank reads its shards) or initialised from the seed.
+    ``init_weights=False`` leaves the values uninitialised (memory planning, or
+    a checkpoint about to be loaded). ``args``: LlamaArgs to use instead of the
+    config's (the memory planner's shorter traces)."""
     from ..models.llama import Llama
     from ..parallelize import parallelize_llama
 
-    args = model_args(cfg, vocab_size)
+    args = args or model_args(cfg, vocab_size)
     with torch.device("meta"):
         model = Llama(args)
     ac = cfg.activation_checkpoint
@@ -121,7 +136,11 @@ def build_model(cfg: JobConfig, pmesh, vocab_size: int, device: torch.device, *,
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if cfg.memory.offload_params else device)
-    if init_weights:
+    if init_weights and cfg.model.hf_path:
+        from ..models.hf_checkpoint import load_hf_weights
+
+        load_hf_weights(model, cfg.model.hf_path)
+    elif init_weights:
         model.init_weights(seed=cfg.job.seed)
     return model
 
@@ -134,7 +153,7 @@ def train(cfg: JobConfig) -> list[dict]:
     """
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     dims = validate_config(cfg, world)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    tokenizer = build_tokenizer(tokenizer_spec(cfg))
     vocab_size = resolve_vocab_size(cfg, tokenizer.vocab_size)
     source = build_source(cfg.data.path, cfg.data.text_key, cfg.data.max_corpus_mb)
     # With eval.holdout_fraction training reads only the documents outside the split.
@@ -187,20 +206,22 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
     torch.manual_seed(cfg.job.seed)
     pmesh = dims.build_mesh(device.type)
 
-    model = build_model(cfg, pmesh, vocab_size, device)
-    optimizer = build_optimizer(cfg, model)
-    stream = TokenStream(source, tokenizer, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
-    loader = PackedLoader(stream, dp_rank=pmesh.dp_rank, dp_size=dims.dp)
-
     ckpt = CheckpointManager(
         cfg.checkpoint_folder,
         interval=cfg.checkpoint.interval,
         keep_latest_k=cfg.checkpoint.keep_latest_k,
         enable=cfg.checkpoint.enable,
     )
+    latest = ckpt.latest_step() if ckpt.enable else None
+    # A resumed run takes its weights from the checkpoint: no init, no HF load.
+    model = build_model(cfg, pmesh, vocab_size, device, init_weights=latest is None)
+    optimizer = build_optimizer(cfg, model)
+    stream = TokenStream(source, tokenizer, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
+    loader = PackedLoader(stream, dp_rank=pmesh.dp_rank, dp_size=dims.dp)
+    info = model_info(cfg, model.args)
+
     start_step = 0
     if ckpt.enable:
-        latest = ckpt.latest_step()
         if latest is not None:
             state = ckpt.load(latest, model, optimizer)
             loader.load_state_dict(state["data"])
@@ -227,7 +248,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         f"{cfg.job.description or 'ulysses_dtensor training'}\n"
         f"  world {world} on {device.type}: dp_replicate={dims.dp_replicate} "
         f"dp_shard={dims.dp_shard} sp={dims.sp}\n"
-        f"  model {cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
+        f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
         f"  data {cfg.data.path or 'built-in stdlib corpus'}: {len(source)} documents; "
         f"{schedule}\n"
@@ -321,6 +342,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
                     "lr_scheduler": {"step": step, "lr": lr},
                     "tokens_seen": loader.tokens_seen,
                 },
+                model_info=info,
             )
             _print0(f"saved checkpoint {ckpt.path(step)}")
     metrics.close()

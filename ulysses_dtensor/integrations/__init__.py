@@ -1,0 +1,9 @@
+"""Ulysses SP for models from other libraries, through their own extension points.
+
+* ``integrations.hf``: unmodified Hugging Face ``transformers`` causal LMs (the
+  ``hf`` extra);
+* ``integrations.torchtitan``: a plug-in for torchtitan 0.3.0's own models and
+  trainer (the ``torchtitan`` extra; ``--module ulysses_dtensor.integrations.torchtitan``).
+
+Import the submodule you need; nothing is imported here.
+"""

@@ -1,0 +1,320 @@
+"""Ulysses SP + activation checkpointing + torch.compile + FSDP2 for unmodified
+Hugging Face ``transformers`` causal LMs.
+
+::
+
+    pmesh = ParallelDims(dp_shard=-1, sp=4).build_mesh("cuda")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    parallelize_hf_model(model, pmesh, ac_mode="full", compile=True)
+    inputs, labels = shard_hf_batch(batch, pmesh.sp)       # this rank's slice
+    loss = sp_cross_entropy(model(**inputs).logits, labels, pmesh.loss)
+
+The model's own code runs unchanged on this rank's slice of the sequence
+(embeddings, norms, q/k/v projections, rope with global position ids, q/k
+norms, MLP, head); only the attention core sees the whole sequence, for
+``heads/sp`` heads, through transformers' attention registry (see
+:mod:`.hf_attention`). Per decoder layer the order is the one
+``parallelize_llama`` uses and explains: Ulysses, activation checkpointing,
+compile, ``fully_shard``. Two differences keep parameter names those of the
+checkpoint (so ``state_dict()`` keys load and save as HF files): compile is
+applied in place (``module.compile()``, no ``_orig_mod.`` prefix), and the
+checkpoint wrapper's prefix is already hidden from ``state_dict()`` by torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from ..attention import check_backend
+from ..batch import shard_batch
+from ..loss import IGNORE_INDEX
+from ..mesh import ParallelMesh
+from ..parallelize import AC_MODES, _check_compile_backend, _checkpoint, _op_sac_context, _parse_selective_ac
+from ..ulysses import UlyssesAttention, kv_replication
+from .hf_attention import ATTN_IMPLEMENTATION, DOCUMENT_IDS_KWARG, UlyssesCore, ulysses_attention_forward
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "DOCUMENT_IDS_KWARG",
+    "parallelize_hf_model",
+    "register_ulysses_attention",
+    "shard_hf_batch",
+]
+
+# Layer kinds whose attention is ordinary causal attention (sliding windows are
+# checked against the sequence length at run time). Anything else -- linear
+# attention, state-space layers, chunked attention -- would mix tokens over
+# the local slice only, silently wrong under SP.
+_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def register_ulysses_attention() -> None:
+    """Register :func:`ulysses_attention_forward` in transformers' attention
+    registry as :data:`ATTN_IMPLEMENTATION` (idempotent; a class-wide mapping)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention_forward)
+
+
+def parallelize_hf_model(
+    model: nn.Module,
+    pmesh: ParallelMesh,
+    *,
+    ac_mode: str = "none",
+    selective_ac: str | int = "op",
+    compile: bool = False,
+    compile_backend: str | Callable = "inductor",
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    attn_backend: str = "auto",
+    pack_qkv: bool = False,
+) -> nn.Module:
+    """Apply Ulysses SP, activation checkpointing, compile and FSDP2 to ``model`` in place.
+
+    ``model`` is a transformers causal LM (``AutoModelForCausalLM.from_config``
+    or ``from_pretrained``), on a device or on ``meta`` (then ``to_empty``
+    after this call and :func:`~.hf_checkpoint.load_hf_weights`).
+
+    Args:
+        pmesh: from ``ParallelDims(...).build_mesh(device_type)``. Parameters
+            are sharded over ``dp_shard x sp`` (HSDP over ``dp_replicate``).
+        ac_mode, selective_ac, compile_backend, param_dtype, reduce_dtype,
+            reshard_after_forward, pack_qkv: as in
+            :func:`~ulysses_dtensor.parallelize.parallelize_llama`.
+        compile: compile each decoder layer in place, with ``fullgraph=True``
+            where transformers declares the model fullgraph-compilable
+            (``_can_compile_fullgraph``), else allowing graph breaks.
+        attn_backend: the local attention backend
+            (:func:`~ulysses_dtensor.attention.local_attention`): ``"auto"``,
+            ``"sdpa"``, ``"flash_attn"``, ``"varlen"``, ``"flex"``.
+
+    Gradients are SUMMED over ranks: use :func:`~ulysses_dtensor.loss.sp_cross_entropy`
+    (each rank's share of the global token mean). The model is then called with
+    :func:`shard_hf_batch`'s inputs; generation (a KV cache) is not supported.
+    """
+    name = type(model).__name__
+    layers, attentions = _check_model(model, pmesh.dims.sp)
+    if ac_mode not in AC_MODES:
+        raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
+    every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
+    if ac_mode != "none" and getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError(
+            f"{name} already has transformers' gradient checkpointing enabled; use either it "
+            f"(ac_mode='none') or ac_mode={ac_mode!r}, not both"
+        )
+    if compile and isinstance(compile_backend, str):
+        _check_compile_backend(compile_backend)
+    check_backend(attn_backend)
+
+    # 1. Ulysses: transformers' attention dispatch -> our exchange + local attention.
+    register_ulysses_attention()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"{name} refused attention implementation {ATTN_IMPLEMENTATION!r} (it stays "
+            f"{model.config._attn_implementation!r}): it does not dispatch attention through "
+            "transformers' AttentionInterface"
+        )
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.use_cache = False  # a KV cache of local slices would be wrong
+    for attn in attentions:
+        core = UlyssesCore(attn_backend, name, pmesh.dims.sp)
+        attn.ulysses = parallelize_module(core, pmesh.sp, UlyssesAttention(pack_qkv=pack_qkv))
+
+    # 2-3. Activation checkpointing, then compile around it (in place: names unchanged).
+    fullgraph = bool(getattr(model, "_can_compile_fullgraph", False))
+    for i, layer in enumerate(layers):
+        if ac_mode == "full" or (ac_mode == "selective" and every_k is not None and (i + 1) % every_k == 0):
+            layer = _checkpoint(layer)
+        elif ac_mode == "selective" and every_k is None:
+            layer = _checkpoint(layer, context_fn=_op_sac_context)
+        if compile:
+            layer.compile(backend=compile_backend, fullgraph=fullgraph)
+        layers[i] = layer
+
+    # 4. FSDP2 / HSDP, one group per decoder layer.
+    _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward)
+    # Input checks run first, before FSDP's own pre-forward (all-gathers): bad
+    # input fails before any communication.
+    model.register_forward_pre_hook(
+        functools.partial(_prepare_inputs, name=name, sp=pmesh.dims.sp, sp_rank=pmesh.sp_rank),
+        with_kwargs=True, prepend=True,
+    )
+    return model
+
+
+def _check_model(model: nn.Module, sp: int) -> tuple[nn.ModuleList, list[nn.Module]]:
+    """Refuse what Ulysses attention cannot run correctly; return the decoder layers
+    and the attention modules in them."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError as e:  # pragma: no cover - the hf extra is absent
+        raise ImportError("parallelize_hf_model needs transformers: pip install 'ulysses-dtensor[hf]'") from e
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"parallelize_hf_model expects a transformers PreTrainedModel, got {name}")
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; Ulysses SP here supports decoder-only causal LMs")
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{name} does not dispatch attention through transformers' AttentionInterface "
+            "(_supports_attention_backend is False), so Ulysses attention cannot be plugged in"
+        )
+    text = config.get_text_config()
+    if not getattr(text, "is_causal", True) or not getattr(config, "is_causal", True):
+        raise ValueError(f"{name} is configured for bidirectional attention (is_causal=False); only causal is supported")
+    other = sorted(set(getattr(text, "layer_types", None) or ()) - set(_SUPPORTED_LAYER_TYPES))
+    if other:
+        raise ValueError(
+            f"{name} has layer types {other}, which mix tokens outside transformers' attention registry "
+            f"or with masks Ulysses attention does not implement; supported: {list(_SUPPORTED_LAYER_TYPES)}"
+        )
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    try:
+        kv_replication(heads, kv_heads, sp)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    lists = [
+        m for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) and all(type(c).__name__ in block_names for c in m)
+    ]
+    if len(lists) != 1:
+        raise ValueError(
+            f"{name}: expected one list of decoder layers of types {sorted(block_names)}, found {len(lists)}"
+        )
+    layers = lists[0]
+    attentions = [m for layer in layers for m in layer.modules() if type(m).__name__.endswith("Attention")]
+    if len(attentions) != len(layers):
+        raise ValueError(
+            f"{name}: expected one *Attention module per decoder layer, found {len(attentions)} in "
+            f"{len(layers)} layers"
+        )
+    for attn in attentions:
+        if not getattr(attn, "is_causal", True):
+            raise ValueError(f"{name}: {type(attn).__name__} is not causal; only causal attention is supported")
+    return layers, attentions
+
+
+def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int):
+    """Model forward pre-hook: refuse inputs whose meaning SP would change, default
+    the position ids to this rank's GLOBAL positions."""
+    if len(args) > 1:
+        raise TypeError(f"{name} under Ulysses SP: pass everything after input_ids as keyword arguments")
+    ref = args[0] if args else kwargs.get("input_ids")
+    ref = kwargs.get("inputs_embeds") if ref is None else ref
+    if ref is None:
+        return None  # transformers raises its own error
+    batch, seq = ref.shape[:2]
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if mask.dim() != 2 or not bool(mask.all()):
+            raise ValueError(
+                f"{name} under Ulysses SP takes no padding or custom attention_mask (its mask would be "
+                "built for this rank's slice); pack documents and give position_ids instead (shard_hf_batch)"
+            )
+        kwargs["attention_mask"] = None  # all ones: no information
+    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        raise ValueError(f"{name} under Ulysses SP: a KV cache (generation) is not supported; use_cache must be False")
+    if kwargs.get("labels") is not None and (kwargs.get("shift_labels") is None or kwargs.get("num_items_in_batch") is None):
+        raise ValueError(
+            f"{name} under Ulysses SP: labels= alone makes transformers shift the labels within this "
+            "rank's slice (one target lost per slice boundary) and average per rank. Compute "
+            "sp_cross_entropy(out.logits, labels, pmesh.loss), or pass labels=labels, shift_labels=labels, "
+            "num_items_in_batch=count_valid_tokens(labels, pmesh.loss) with shard_hf_batch's labels"
+        )
+    docs = kwargs.get(DOCUMENT_IDS_KWARG)
+    if docs is not None and tuple(docs.shape) != (batch, seq * sp):
+        raise ValueError(
+            f"{name}: {DOCUMENT_IDS_KWARG} has shape {tuple(docs.shape)}; it must cover the whole "
+            f"padded sequence, (batch, local_seq * sp) = ({batch}, {seq * sp})"
+        )
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        kwargs["position_ids"] = (torch.arange(seq, device=ref.device) + sp_rank * seq).expand(batch, seq)
+    elif docs is None and pos.shape[-1] > 1 and bool((pos[..., 1:] != pos[..., :-1] + 1).any()):
+        raise ValueError(
+            f"{name}: position_ids restart inside the sequence (packed documents), but no "
+            f"{DOCUMENT_IDS_KWARG} describe the documents of the whole sequence, so attention would "
+            "cross them; prepare the batch with shard_hf_batch"
+        )
+    return args, kwargs
+
+
+def _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward) -> None:
+    shard = functools.partial(fully_shard, mesh=pmesh.param_mesh)
+    # Inputs are not cast per group: transformers casts what it needs itself.
+    mp = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    if embed is not None and not tied:
+        shard(embed, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    n = len(layers)
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed again at once by backward.
+        shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < n - 1)
+    if head is not None and not tied:
+        # Used last in forward and first in backward: never resharded in between.
+        norm = getattr(_layers_parent(model, layers), "norm", None)
+        shard([head] if norm is None else [norm, head], mp_policy=mp, reshard_after_forward=False)
+    shard(
+        model, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype),
+        reshard_after_forward=None if reshard_after_forward else False,
+    )
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The loss is already divided by the global token count: sum, don't average.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _layers_parent(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    """The module holding the decoder layer list (it also holds the final norm)."""
+    for module in model.modules():
+        if any(child is layers for child in module.children()):
+            return module
+    raise ValueError(f"{type(model).__name__}: the decoder layer list has no parent module")
+
+
+def shard_hf_batch(
+    batch: Mapping[str, Tensor],
+    sp_mesh=None,
+    *,
+    pad_token_id: int = 0,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """This sp rank's model keyword arguments and labels for a transformers model.
+
+    ``batch``: ``input_ids`` (B, S); optional ``labels`` aligned with the inputs
+    (token t's own id, or ``ignore_index``), ``position_ids`` restarting at 0
+    per packed document, and an ``attention_mask`` that must be all ones
+    (padding is done here, at the end, ignored by the loss).
+
+    Returns ``(inputs, labels)``: ``inputs`` has ``input_ids`` and GLOBAL
+    ``position_ids`` for this rank's ``S_pad/sp`` tokens, plus
+    :data:`DOCUMENT_IDS_KWARG` (the whole sequence's document ids) when rows
+    hold several documents; ``labels`` are shifted on the full sequence before
+    slicing (see :func:`~ulysses_dtensor.batch.shard_batch`), for
+    ``sp_cross_entropy(model(**inputs).logits, labels, pmesh.loss)``.
+    """
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError(
+            "shard_hf_batch: attention_mask has zeros (padding inside the batch); Ulysses SP needs "
+            "packed rows: concatenate documents and give position_ids restarting at 0 per document"
+        )
+    local = shard_batch(batch, sp_mesh, pad_token_id=pad_token_id, ignore_index=ignore_index)
+    inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
+    if local["document_ids"] is not None:
+        inputs[DOCUMENT_IDS_KWARG] = local["document_ids"]
+    return inputs, local["labels"]

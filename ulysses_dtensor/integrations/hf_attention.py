@@ -1,0 +1,124 @@
+"""The Ulysses attention function that transformers' attention registry dispatches to.
+
+A transformers attention module projects q, k, v, applies rope (and q/k norms)
+on this rank's slice of the sequence, then calls
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v,
+attention_mask, scaling=..., dropout=..., **kwargs)`` with q, k, v laid out
+``(batch, heads, seq/sp, head_dim)``. Registered under :data:`ATTN_IMPLEMENTATION`,
+:func:`ulysses_attention_forward` hands them to the module's
+:class:`UlyssesCore`: a :class:`~ulysses_dtensor.ulysses.UlyssesAttention`-
+parallelized local attention, which exchanges to ``heads/sp`` heads of the full
+sequence, attends, and exchanges back.
+
+transformers builds its attention mask from the tensors it sees, which under SP
+are one slice of the sequence: wrong. So the model runs with no mask at all (an
+implementation name absent from transformers' mask registry makes
+``create_causal_mask`` return ``None``), and the mask is made here from the
+global structure: causal, plus packed documents from the full-sequence document
+ids that :func:`~ulysses_dtensor.integrations.hf.shard_hf_batch` passes as the
+keyword argument :data:`DOCUMENT_IDS_KWARG`. Anything else that shapes the
+attention pattern is refused with the model class named, never dropped.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..attention import check_backend, local_attention
+
+__all__ = ["ATTN_IMPLEMENTATION", "DOCUMENT_IDS_KWARG", "UlyssesCore", "ulysses_attention_forward"]
+
+# The key in transformers' AttentionInterface (and config._attn_implementation).
+ATTN_IMPLEMENTATION = "ulysses_sp"
+# Model keyword argument carrying the (batch, padded_seq) document ids of the
+# WHOLE sequence; transformers passes unknown keywords down to attention.
+DOCUMENT_IDS_KWARG = "sp_document_ids"
+
+# Keyword arguments transformers attention functions may receive that would
+# change the attention pattern or numerics in ways this function does not
+# implement. Present and not None -> error.
+_REFUSED_KWARGS = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks",
+    "cu_seq_lens_q": "transformers' own packed-sequence metadata (use shard_hf_batch's document ids)",
+    "cu_seq_lens_k": "transformers' own packed-sequence metadata (use shard_hf_batch's document ids)",
+}
+
+
+class UlyssesCore(nn.Module):
+    """Attention over the full sequence for ``heads/sp`` heads: what runs between
+    the two all-to-alls. Parameter-free; ``parallelize_hf_model`` attaches one,
+    parallelized with ``UlyssesAttention`` on the sp mesh, to each attention
+    module as ``.ulysses``.
+    """
+
+    def __init__(self, backend: str, model_name: str, sp: int):
+        super().__init__()
+        self.backend = check_backend(backend)
+        self.model_name = model_name
+        self.sp = sp
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None,
+                scale: float | None = None) -> Tensor:
+        return local_attention(q, k, v, backend=self.backend, causal=True, document_ids=document_ids, scale=scale)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, sp={self.sp}"
+
+
+def ulysses_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers attention-function signature; returns ``(B, seq/sp, heads, head_dim)``, no weights."""
+    core = getattr(module, "ulysses", None)
+    if not isinstance(core, UlyssesCore):
+        raise RuntimeError(
+            f"attention implementation {ATTN_IMPLEMENTATION!r} was called from {type(module).__name__}, "
+            "which parallelize_hf_model did not set up; call parallelize_hf_model(model, pmesh) on the "
+            "whole model instead of setting the implementation by hand"
+        )
+    name = core.model_name
+    if attention_mask is not None:
+        raise ValueError(
+            f"{name}: an attention mask reached Ulysses attention, but a mask built for this rank's "
+            "slice is wrong under sequence parallelism; pass no attention_mask and describe packed "
+            "documents with position_ids (shard_hf_batch does this)"
+        )
+    if dropout:
+        raise ValueError(
+            f"{name}: attention dropout={dropout} is not implemented by Ulysses attention; set "
+            "config.attention_dropout=0.0"
+        )
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"{name}: keys cover {key.shape[2]} positions but queries {query.shape[2]}: a KV cache "
+            "(generation) is not supported under Ulysses SP; call the model with use_cache=False"
+        )
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        raise ValueError(f"{name}: non-causal attention in {type(module).__name__} is not supported")
+    for kw, what in _REFUSED_KWARGS.items():
+        if kwargs.get(kw) is not None:
+            raise ValueError(f"{name}: {what} ({kw}=...) is not supported by Ulysses attention")
+    document_ids = kwargs.get(DOCUMENT_IDS_KWARG)
+    seq = document_ids.shape[1] if document_ids is not None else query.shape[2] * core.sp
+    window = kwargs.get("sliding_window")
+    if window is not None and window < seq:
+        # Within the window the pattern is plain causal; beyond it it is not.
+        raise ValueError(
+            f"{name}: sliding-window attention (sliding_window={window}) with a sequence of {seq} "
+            f"tokens is not implemented by Ulysses attention; use sequences of at most {window} "
+            "tokens, or a model with full attention"
+        )
+    # (B, H, s, D) -> (B, s, H, D), the layout the exchange and local backends use.
+    out = core(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        document_ids=document_ids, scale=scaling,
+    )
+    return out, None

@@ -1,0 +1,92 @@
+"""Load and save the weights of a parallelized transformers model as HF safetensors.
+
+``torch.distributed.checkpoint`` (DCP) with its Hugging Face storage reader and
+writer: every rank reads only the slices its FSDP shards hold, and writes only
+its own shards, so no rank ever holds the whole model. Parameter names are the
+checkpoint's own because :func:`~ulysses_dtensor.integrations.hf.parallelize_hf_model`
+keeps them (in-place compile; the checkpoint wrapper hides its prefix).
+
+Typical use, for a model too large for one device::
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parallelize_hf_model(model, pmesh, ...)
+    model.to_empty(device=device)
+    load_hf_weights(model, path)       # also recomputes the rotary buffers
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+__all__ = ["load_hf_weights", "save_hf_weights", "reset_rotary_buffers"]
+
+
+def _unique_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with tied tensors once, under their first name
+    (transformers saves a tied output embedding only as the input embedding)."""
+    seen: set[int] = set()
+    out = {}
+    # keep_vars: the parameter objects themselves, so tied ones are recognised.
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out[name] = tensor.detach()  # shares storage: loading writes into the parameter
+    return out
+
+
+def reset_rotary_buffers(model: nn.Module) -> None:
+    """Recompute rotary-embedding buffers (``inv_freq``) with transformers' own
+    initialisation. They are not in checkpoints, so after ``to_empty`` they hold
+    garbage until this runs."""
+    for module in model.modules():
+        if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "inv_freq"):
+            model._init_weights(module)
+
+
+def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
+    """Fill ``model``'s (sharded) parameters and buffers from the safetensors files in ``path``.
+
+    Names and shapes are checked against the files first (one message naming
+    what is missing, extra or of the wrong shape); values are converted to the
+    model's dtype. Rotary buffers are recomputed afterwards.
+    """
+    from ..models.hf_checkpoint import read_hf_tensors_into
+
+    read_hf_tensors_into(_unique_state_dict(model), path)
+    reset_rotary_buffers(model)
+
+
+def save_hf_weights(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> None:
+    """Write ``model``'s weights to ``path`` as one consolidated ``model.safetensors``
+    (plus the model's ``config.json``), loadable with ``from_pretrained``.
+
+    Every rank writes its own shards (under ``path/sharded``), then one rank
+    merges them. ``dtype`` converts floating tensors first (e.g. ``torch.bfloat16``
+    for float32 master weights). Call it on every rank.
+    """
+    state = _unique_state_dict(model)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    # One output file, index 1: the consolidated name is then transformers' default.
+    mapping = {name: 1 for name in state}
+    writer = HuggingFaceStorageWriter(
+        str(path), fqn_to_index_mapping=mapping, save_distributed=True, enable_consolidation=True
+    )
+    dcp.save(state, storage_writer=writer)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        # The per-rank shards were only the input of the consolidation.
+        shutil.rmtree(os.path.join(str(path), "sharded"), ignore_errors=True)
+        config = model.config
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(str(path))

@@ -1,0 +1,47 @@
+"""Ulysses sequence parallelism inside torchtitan 0.3.0: its own models, trainer and configs.
+
+Launch (torchtitan looks up ``<module>.config_registry``)::
+
+    torchrun --nproc_per_node=8 -m torchtitan.train \\
+        --module ulysses_dtensor.integrations.torchtitan --config llama3_8b_ulysses
+
+Pieces, each on one of torchtitan's extension points:
+
+* :mod:`.config_registry`: torchtitan's stock llama3 / qwen3 configs with
+  Ulysses switched on (``ulysses.degree``, ``ulysses.attention_backend``);
+* :mod:`.trainer`: ``UlyssesTrainer`` (a ``Trainer`` subclass with its
+  ``Config``), ``UlyssesValidator``;
+* :mod:`.parallelize`: the ``ModelSpec.parallelize_fn`` (our ``UlyssesAttention``
+  at ``layers.*.attention.inner_attention``, then torchtitan's AC, compile, FSDP2);
+* :mod:`.attention`: our local backends as an inner-attention module, installed
+  by a torchtitan override;
+* :mod:`.batch`: the sp slice of a batch with global positions and masks.
+
+The version is checked here, before anything imports torchtitan.
+"""
+
+from importlib import import_module
+
+from ._requirements import require_torchtitan
+
+require_torchtitan()
+
+_EXPORTS = {
+    "UlyssesConfig": ".trainer",
+    "UlyssesTrainer": ".trainer",
+    "UlyssesValidator": ".trainer",
+    "UlyssesInnerAttention": ".attention",
+    "parallelize_ulysses": ".parallelize",
+    "ulysses_model_spec": ".parallelize",
+    "shard_for_sp": ".batch",
+    "ulysses_config": ".config_registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    # Lazy: importing torchtitan costs seconds; the version check above does not.
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,67 @@
+"""Config functions for ``--module ulysses_dtensor.integrations.torchtitan --config <name>``.
+
+Each is torchtitan's stock config of the same model with Ulysses switched on:
+``UlyssesTrainer.Config`` with every stock field copied, ``ulysses.degree``
+and ``ulysses.attention_backend`` set, and the torchtitan settings our
+layout needs (``parallelism.spmd_backend='partial_dtensor'``, no
+context-parallel load balancer, no CUDA graphs). Any field can still be changed on the
+command line, e.g. ``--ulysses.degree 4 --training.seq_len 65536``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.config.override import derive
+from torchtitan.models.llama3 import config_registry as llama3
+from torchtitan.models.qwen3 import config_registry as qwen3
+from torchtitan.trainer import Trainer
+
+from .trainer import UlyssesConfig, UlyssesTrainer, UlyssesValidator
+
+__all__ = [
+    "llama3_8b_ulysses",
+    "llama3_debugmodel_ulysses",
+    "qwen3_14b_ulysses",
+    "qwen3_1_7b_ulysses",
+    "qwen3_debugmodel_ulysses",
+    "ulysses_config",
+]
+
+
+def ulysses_config(base: Trainer.Config, *, degree: int, attention_backend: str = "auto") -> UlyssesTrainer.Config:
+    """``base`` (any torchtitan ``Trainer.Config``) as a ``UlyssesTrainer.Config`` with Ulysses on."""
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
+    fields["parallelism"] = dataclasses.replace(
+        base.parallelism, spmd_backend="partial_dtensor", context_parallel_load_balancer=None
+    )
+    fields["training"] = dataclasses.replace(base.training, disable_cuda_graphs=True)
+    fields["validator"] = derive(base.validator, UlyssesValidator.Config)
+    return UlyssesTrainer.Config(
+        **fields, ulysses=UlyssesConfig(degree=degree, attention_backend=attention_backend)
+    )
+
+
+def llama3_debugmodel_ulysses() -> UlyssesTrainer.Config:
+    """Llama-3 debug model (16 heads), sp 2."""
+    return ulysses_config(llama3.llama3_debugmodel(), degree=2)
+
+
+def llama3_8b_ulysses() -> UlyssesTrainer.Config:
+    """Llama-3.1-8B (32 heads, 8 kv heads), sp 8: one node, every GPU on one sample."""
+    return ulysses_config(llama3.llama3_8b(), degree=8)
+
+
+def qwen3_debugmodel_ulysses() -> UlyssesTrainer.Config:
+    """Qwen3 debug model (16 heads, 8 kv heads), sp 2."""
+    return ulysses_config(qwen3.qwen3_debugmodel(), degree=2)
+
+
+def qwen3_1_7b_ulysses() -> UlyssesTrainer.Config:
+    """Qwen3-1.7B (16 heads, 8 kv heads), sp 8."""
+    return ulysses_config(qwen3.qwen3_1_7b(), degree=8)
+
+
+def qwen3_14b_ulysses() -> UlyssesTrainer.Config:
+    """Qwen3-14B (40 heads, 8 kv heads), sp 8."""
+    return ulysses_config(qwen3.qwen3_14b(), degree=8)
