@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
+from _exchange import compare_record, exchange_record  # noqa: E402
 
 from ulysses_dtensor.batch import shard_batch  # noqa: E402
 from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
@@ -461,7 +462,7 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
 
     barrier = None if simulate or world == 1 else dist.barrier
     times = C.timed_interleaved({"step": timed_step}, warmup=0, iters=a.iters, device=device, barrier=barrier)
-    exchange = exchange_record(timers, times["step"], device, a) if not simulate else None
+    exchange = exchange_record(timers, times["step"], device) if not simulate else None
     if not simulate:
         times = C.max_over_ranks(times, device)
     if device.type == "cuda":
@@ -492,26 +493,6 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return raw
-
-
-def exchange_record(timers: list[ExchangeTimer], local_times: list[float], device: torch.device, a) -> dict:
-    """This rank's all-to-all time per timed step and its share of the step (rank 0 reports)."""
-    if not timers:
-        return {"measured": False, "reason": "--compile: compiled blocks cannot carry the timer"}
-    reads = [t.read() for t in timers]
-    shares = [r["total_s"] / t for r, t in zip(reads, local_times)]
-    return {
-        "measured": True,
-        "method": ("CUDA events around each all-to-all and its wait, read after the step"
-                   if device.type == "cuda" else "wall clock around each all-to-all and its wait (gloo)"),
-        "rank": dist.get_rank(),
-        "calls_per_step": reads[0]["calls"],
-        "median_ms": round(statistics.median(r["total_s"] for r in reads) * 1e3, 4),
-        "forward_median_ms": round(statistics.median(r["forward_s"] for r in reads) * 1e3, 4),
-        "backward_median_ms": round(statistics.median(r["backward_s"] for r in reads) * 1e3, 4),
-        "share_of_step": round(statistics.median(shares), 6),
-        "shares": [round(x, 6) for x in shares],
-    }
 
 
 def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, simulate: bool,
@@ -707,27 +688,6 @@ def real_worker(rank, world, device, report, a, sp):
     dims = ParallelDims(dp_replicate=a.dp_replicate, dp_shard=-1, sp=sp, world_size=world)
     pmesh = dims.build_mesh(device.type)
     sweep(a, pmesh, device, report, simulate=False)
-
-
-def compare_record(records: list[dict]) -> dict:
-    """The configurations of one real run side by side (same model and length)."""
-    rows = []
-    for r in records:
-        if r.get("mode") != "real" or "figures" not in r:
-            continue
-        ex = r.get("exchange", {})
-        rows.append({
-            "sp": r["config"]["mesh"]["sp"], "world_size": r["world_size"], "seq": r["config"]["seq"],
-            "n_layers": r["config"]["model"]["n_layers"],
-            "step_ms": r["figures"]["step_ms"], "tokens_per_s": r["figures"]["tokens_per_s"],
-            "tokens_per_s_per_device": r["figures"]["tokens_per_s_per_device"],
-            "peak_gib": r["memory"]["peak_gib"],
-            "exchange_ms": ex.get("median_ms"), "exchange_share": ex.get("share_of_step"),
-        })
-    return {"bench": "train_compare", **C.env_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
-            "note": "one row per configuration of this run; exchange = Ulysses all-to-all time per step "
-                    "on rank 0 (forward + backward) and its share of rank 0's step time",
-            "rows": rows}
 
 
 def main_real(a) -> int:
