@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..attention import BACKENDS
+from ..evaluation.tasks import TASKS as EVAL_TASKS
 from ..schedule import DECAYS, ContextSchedule, Stage
 
 # Where a key's value came from; a later source overrides an earlier one.
@@ -166,9 +167,6 @@ class Metrics:
     exchange_timing: bool = _f(
         True, "time the Ulysses all-to-alls (forward and backward) and log their share of the "
         "step time (needs parallelism.sp > 1; eager blocks only, not training.compile)")
-
-
-EVAL_TASKS = ("loss", "passkey", "multikey", "vartrack")
 
 
 @dataclass
