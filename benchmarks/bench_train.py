@@ -36,6 +36,13 @@ Examples::
     python benchmarks/bench_train.py --mode simulate --flavor llama3_8b --world 8 --sp 8 \\
         --local-seq 32K 128K --ac full --tiled-loss --tiled-mlp --compile
     torchrun --nproc_per_node=8 benchmarks/bench_train.py --mode real --flavor llama3_8b --seq 64K
+    python benchmarks/bench_train.py --mode real --sp 2 4 --world 4 --seq 2048 --compare
+
+Real mode also times the Ulysses all-to-alls of each timed step (CUDA events,
+or wall clock on CPU; eager only) and reports their share of the step
+(``exchange``). ``--compare`` adds one JSON object with every configuration's
+tokens/s, peak memory and exchange share side by side (SP on and off, or two
+sp degrees, on the same model and sequence length).
 
 See benchmarks/README.md for every field.
 """
@@ -59,9 +66,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
+from _exchange import compare_record, exchange_record  # noqa: E402
 
 from ulysses_dtensor.batch import shard_batch  # noqa: E402
 from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
+from ulysses_dtensor.comm_timing import ExchangeTimer  # noqa: E402
 from ulysses_dtensor.loss import count_valid_tokens  # noqa: E402
 from ulysses_dtensor.mesh import ParallelDims  # noqa: E402
 from ulysses_dtensor.models.llama import Llama, llama_args  # noqa: E402
@@ -184,6 +193,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fsdp-gbps", type=float, help="simulate: FSDP collective bandwidth, GB/s (default = --link-gbps)")
     p.add_argument("--latency-us", type=float, default=0.0, help="simulate: added per modelled collective call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", action="store_true",
+                   help="real mode: after the records, one JSON object comparing the configurations "
+                        "(tokens/s, peak memory, all-to-all share of step time)")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny smoke run: real {QUICK_REAL}; simulate {QUICK_SIM}")
     a = p.parse_args(argv)
@@ -437,9 +449,20 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
     else:
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-    # 4) timed steps
+    # 4) timed steps; in real eager runs each with its own all-to-all timer
+    timers: list[ExchangeTimer] = []
+    timed = not simulate and not a.compile
+
+    def timed_step():
+        if not timed:
+            return step()
+        timers.append(ExchangeTimer(device))
+        with timers[-1].active():
+            step()
+
     barrier = None if simulate or world == 1 else dist.barrier
-    times = C.timed_interleaved({"step": step}, warmup=0, iters=a.iters, device=device, barrier=barrier)
+    times = C.timed_interleaved({"step": timed_step}, warmup=0, iters=a.iters, device=device, barrier=barrier)
+    exchange = exchange_record(timers, times["step"], device) if not simulate else None
     if not simulate:
         times = C.max_over_ranks(times, device)
     if device.type == "cuda":
@@ -463,8 +486,9 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
         "fsdp_sent": dict(fsdp.sent),
         "memory": mem,
         "backend": dist.get_backend(),
+        "exchange": exchange,
     }
-    del model, optimizer, params, batch, step
+    del model, optimizer, params, batch, step, timed_step
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -536,6 +560,8 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
         "all_to_all": a2a_rec,
         "fsdp": {"calls": raw["fsdp_calls"], "sent_bytes_per_rank": raw["fsdp_sent"]},
     }
+    if raw.get("exchange") is not None:
+        rec["exchange"] = raw["exchange"]
     if extrapolated:
         rec["extrapolated"] = extrapolated
         a2a_rec["bytes_match"] = None  # not counted: the formula at n_layers
@@ -665,6 +691,12 @@ def real_worker(rank, world, device, report, a, sp):
 
 
 def main_real(a) -> int:
+    records: list[dict] = []
+
+    def keep(record: dict) -> None:
+        records.append(record)
+        C.emit(record, out)
+
     env = C.torchrun_env()
     if env is not None:  # one rank of torchrun: sp values that divide the world
         rank, world, local_rank = env
@@ -672,17 +704,22 @@ def main_real(a) -> int:
         if a.threads:
             torch.set_num_threads(a.threads)
         device = C.init_distributed(a.device, rank, world, local_rank, None, a.offload_params)
-        report = (lambda r: C.emit(r, out)) if rank == 0 else (lambda r: None)
+        report = keep if rank == 0 else (lambda r: None)
         with finish_together():
             for sp in (a.sp if a.sp_given else [world // a.dp_replicate]):
                 real_worker(rank, world, device, report, a, sp)
+        if a.compare and rank == 0:
+            C.emit(compare_record(records), out)
         return 0
     ok = True
+    out = None  # C.emit's default: stdout
     for sp in a.sp:
         world = a.world or sp * a.dp_replicate
         threads = a.threads or max(1, C.usable_cores() // world)
         ok &= C.launch_ranks(world, real_worker, (a, sp), device_type=a.device, threads=threads,
-                             cpu_collectives=a.offload_params)
+                             cpu_collectives=a.offload_params, on_record=keep)
+    if a.compare:
+        C.emit(compare_record(records))
     return 0 if ok else 1
 
 

@@ -125,6 +125,14 @@ def test_real_mode(records):
         _check_throughput(fig, rec["config"], rec["step_time"]["median_ms"])
         if rec["world_size"] > 1:
             assert rec["memory"]["max_over_ranks_peak_bytes"] >= rec["memory"]["peak_bytes"]
+        # all-to-all time per timed step and its share of the step (none at sp 1)
+        ex = rec["exchange"]
+        assert ex["measured"] is True and len(ex["shares"]) == rec["config"]["iters"]
+        if rec["config"]["mesh"]["sp"] == 1:
+            assert ex["calls_per_step"] == 0 and ex["share_of_step"] == 0.0
+        else:
+            assert ex["calls_per_step"] == rec["all_to_all"]["calls"]
+            assert 0.0 < ex["share_of_step"] < 1.0 and ex["median_ms"] > 0
 
 
 def _check_modelled(rec: dict) -> None:

@@ -259,6 +259,13 @@ EFFECT_CASES = {
     "lr_scheduler.min_lr_ratio": ("0.1", []),
     "model.vocab_multiple_of": ("128", []),
     "data.max_corpus_mb": ("1", []),
+    "metrics.exchange_timing": ("false", ["--parallelism.sp", "2"]),
+    "eval.depths": ("4", []),
+    "eval.samples": ("2", []),
+    "eval.seed": ("5", []),
+    "eval.loss_rows": ("2", []),
+    "eval.data_path": ("held_out.jsonl", []),
+    "eval.holdout_fraction": ("0.1", []),
     # Without effect under model.hf_path (its config.json sets them).
     "model.flavor": ("llama3_8b", []),
     "model.vocab_size": ("512", []),
@@ -278,6 +285,8 @@ EFFECT_OFF = {
     "lr_scheduler.min_lr_ratio": ["--lr_scheduler.decay", "none"],
     "model.vocab_multiple_of": ["--model.vocab_size", "512"],
     "data.max_corpus_mb": ["--data.path", "corpus.txt"],
+    **{f"eval.{k}": ["--eval.tasks", "loss"] for k in ("depths", "samples", "seed")},
+    **{f"eval.{k}": ["--eval.tasks", "passkey"] for k in ("loss_rows", "data_path", "holdout_fraction")},
     **{f"model.{k}": ["--model.hf_path", "hf_model_dir"] for k in (
         "flavor", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta")},
 }

@@ -165,6 +165,11 @@ class DocumentSource:
     def fingerprint(self) -> str:
         return f"{type(self).__name__}:{len(self)}"
 
+    def doc_key(self, i: int) -> str:
+        """A name of document ``i`` that does not change when other documents are
+        added or reordered (held-out splits are decided by it)."""
+        return str(i)
+
 
 class StdlibCorpus(DocumentSource):
     """The standard library's ``*.py`` files (sorted; tests and site-packages skipped)."""
@@ -198,6 +203,9 @@ class StdlibCorpus(DocumentSource):
     def fingerprint(self) -> str:
         return f"stdlib:{len(self.files)}:{self.total_bytes}"
 
+    def doc_key(self, i: int) -> str:
+        return self.files[i].relative_to(self.root).as_posix()
+
 
 def _walk_py(root: Path) -> list[Path]:
     """Sorted ``*.py`` paths under ``root``, not descending into skipped directories."""
@@ -221,6 +229,7 @@ class FileCorpus(DocumentSource):
 
     def __init__(self, path: str | os.PathLike, text_key: str = "text"):
         self.text_key = text_key
+        self.root = Path(path)
         # (file, byte offset or None for a whole .txt file)
         self.index: list[tuple[Path, int | None]] = []
         for f in data_files(path):
@@ -241,6 +250,11 @@ class FileCorpus(DocumentSource):
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def doc_key(self, i: int) -> str:
+        f, offset = self.index[i]
+        name = f.name if self.root.is_file() else f.relative_to(self.root).as_posix()
+        return name if offset is None else f"{name}@{offset}"
 
     def __getitem__(self, i: int) -> str:
         f, offset = self.index[i]

@@ -83,8 +83,9 @@ def check_corpus(source: DocumentSource, tokenizer, step_tokens: int, *, describ
     the message. Returns the tokens counted (at least ``step_tokens``; counting
     stops there, so a large corpus costs one step's tokenization).
     """
-    if isinstance(source, FileCorpus):
-        check_files(source)
+    base = getattr(source, "base", source)  # a held-out split reads a FileCorpus's documents
+    if isinstance(base, FileCorpus):
+        check_files(base)
     total = 0
     for i in range(len(source)):
         total += len(tokenizer.encode(source[i]))

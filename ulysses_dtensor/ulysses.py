@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .comm_timing import active_timer, timed_all_to_all
 from .mesh import divisors
 
 SEQ_DIM = 1
@@ -37,6 +38,9 @@ HEAD_DIM = 2
 def _all_to_all(x: Tensor, mesh: DeviceMesh) -> Tensor:
     # Input is laid out (P, ...): chunk i goes to rank i, chunk i of the result
     # came from rank i. The backward of this op is the reverse all-to-all.
+    timer = active_timer()
+    if timer is not None:  # metrics: the exchange's share of step time (eager only)
+        return timed_all_to_all(x, mesh.get_group(), timer)
     return funcol.all_to_all_single_autograd(x, None, None, mesh.get_group())
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 __all__ = ["load_hf_weights", "save_hf_weights", "reset_rotary_buffers"]
 
@@ -56,12 +56,13 @@ def reset_rotary_buffers(model: nn.Module) -> None:
 def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     """Fill ``model``'s (sharded) parameters and buffers from the safetensors files in ``path``.
 
-    Every tensor of the model must be in the checkpoint (DCP names the first one
-    missing); values are converted to the model's dtype. Rotary buffers are
-    recomputed afterwards.
+    Names and shapes are checked against the files first (one message naming
+    what is missing, extra or of the wrong shape); values are converted to the
+    model's dtype. Rotary buffers are recomputed afterwards.
     """
-    state = _unique_state_dict(model)
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    from ..models.hf_checkpoint import read_hf_tensors_into
+
+    read_hf_tensors_into(_unique_state_dict(model), path)
     reset_rotary_buffers(model)
 
 

@@ -354,9 +354,6 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     (``dcp.load`` plans collectively); without a process group it runs alone.
     """
     require_safetensors()
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
     args: LlamaArgs = model.args
     if args.rope_layout != "half":
         raise HFCheckpointError(
@@ -368,12 +365,25 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     unmapped = sorted(set(params) - set(names) - ({"output.weight"} if args.tie_embeddings else set()))
     if unmapped:
         raise HFCheckpointError(f"no HF name for parameters {unmapped}")
-    _check_names_and_shapes(
-        {names[n]: tuple(params[n].shape) for n in names}, checkpoint_tensor_shapes(path), path
-    )
     # The parameters themselves (detached views, DTensor shards as they are): dcp
     # copies each rank's slices into them in place.
-    state = {names[n]: params[n].detach() for n in names}
+    read_hf_tensors_into({names[n]: params[n].detach() for n in names}, path)
+
+
+def read_hf_tensors_into(state: dict[str, Tensor], path: str | os.PathLike) -> None:
+    """Fill ``state`` (HF tensor name -> this rank's tensor, DTensor shards included)
+    in place from the safetensors files of ``path``; each rank reads only its slices.
+
+    Names and shapes are checked against the files' headers first, so a wrong
+    directory fails with one message rather than inside dcp. Collective over the
+    default process group when there is one.
+    """
+    require_safetensors()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    _check_names_and_shapes({k: tuple(v.shape) for k, v in state.items()},
+                            checkpoint_tensor_shapes(path), path)
     # One reader thread: one slice in flight, so a rank's peak host memory is its
     # shard plus one tensor (threads would multiply the temporaries and malloc arenas).
     with torch.no_grad(), quiet_single_process():

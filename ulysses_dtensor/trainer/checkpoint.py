@@ -35,9 +35,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
-__all__ = ["CheckpointManager", "COMPLETE_MARKER", "MODEL_INFO_FILE", "complete_steps"]
+__all__ = ["CheckpointManager", "COMPLETE_MARKER", "MODEL_INFO_FILE", "complete_steps",
+           "load_model_weights"]
 
 COMPLETE_MARKER = "COMPLETE"
 MODEL_INFO_FILE = "model.json"
@@ -198,3 +204,18 @@ class CheckpointManager:
             _set_rng_state(torch.load(rng, weights_only=True))
         with open(path / "train_state.json") as fh:
             return json.load(fh)
+
+
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Load only the model state of the checkpoint folder ``path`` (every rank calls it).
+
+    For evaluation: no optimizer is built, and DCP reshards the saved shards
+    into whatever mesh ``model`` is parallelized on.
+    """
+    path = Path(path)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})")
+    state = {"model": get_model_state_dict(model)}
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])

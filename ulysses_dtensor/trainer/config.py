@@ -117,6 +117,10 @@ def _type_name(tp) -> str:
         return "a string"
     if tp == list[float]:
         return "a list of numbers"
+    if tp == list[int]:
+        return "a list of integers"
+    if tp == list[str]:
+        return "a list of strings"
     if tp == list[Stage]:
         return "a list of {start_step = <int>, seq_len = <int>} tables"
     return str(tp)
@@ -150,6 +154,11 @@ def _coerce(value, tp, key: str):
         if not isinstance(value, (list, tuple)):
             raise bad()
         return [_coerce(v, float, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp in (list[int], list[str]):
+        if not isinstance(value, (list, tuple)):
+            raise bad()
+        item = int if tp == list[int] else str
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp == list[Stage]:
         if not isinstance(value, (list, tuple)):
             raise bad()
@@ -198,6 +207,10 @@ def _parse_cli_value(text: str, tp, key: str):
             return text
         if tp == list[float]:
             return [float(x) for x in text.strip("[]").split(",") if x.strip()]
+        if tp == list[int]:
+            return [int(x) for x in text.strip("[]").split(",") if x.strip()]
+        if tp == list[str]:
+            return [x.strip().strip("'\"") for x in text.strip("[]").split(",") if x.strip()]
         if tp == list[Stage]:
             stages = []
             for part in text.strip("[]").split(","):
@@ -211,6 +224,7 @@ def _parse_cli_value(text: str, tp, key: str):
     hint = {
         list[Stage]: " written as start_step:seq_len,start_step:seq_len (e.g. 1:128,4:256)",
         list[float]: " written comma separated (e.g. 0.9,0.95)",
+        list[int]: " written comma separated (e.g. 4096,8192)",
     }.get(tp, "")
     raise ConfigError(f"--{key} must be {_type_name(tp)}{hint}, got {text!r}")
 

@@ -25,7 +25,8 @@ from ..suggest import did_you_mean
 from .config_schema import SOURCE_DEFAULT, ConfigError, JobConfig
 from .hf_start import HF_IGNORED_MODEL_KEYS, hf_model_args, tokenizer_spec
 
-__all__ = ["check_values", "validate_config", "model_args", "inactive_settings", "EFFECT_RULES"]
+__all__ = ["check_values", "validate_config", "model_args", "inactive_settings", "EFFECT_RULES",
+           "check_eval_data"]
 
 
 # --------------------------------------------------------------------------- #
@@ -45,6 +46,10 @@ class EffectRule:
 
 def _warmup_ends(c: JobConfig) -> bool:
     return c.lr_scheduler.warmup_steps < c.training.steps
+
+
+def _has_retrieval(c: JobConfig) -> bool:
+    return any(t != "loss" for t in c.eval.tasks)
 
 
 EFFECT_RULES: list[EffectRule] = [
@@ -82,6 +87,16 @@ EFFECT_RULES: list[EffectRule] = [
                "it rounds the tokenizer's vocabulary when model.vocab_size=0"),
     EffectRule("data.max_corpus_mb", ("data.path",), lambda c: c.data.path == "",
                "it caps the built-in corpus (data.path='')"),
+    EffectRule("metrics.exchange_timing", ("parallelism.sp", "training.compile"),
+               lambda c: c.parallelism.sp > 1 and not c.training.compile,
+               "it times the eager Ulysses all-to-alls (parallelism.sp > 1; torch.compile'd "
+               "blocks cannot carry the timer)"),
+    *(EffectRule(f"eval.{k}", ("eval.tasks",), _has_retrieval,
+                 "it shapes the retrieval tasks (passkey, multikey or vartrack in eval.tasks)")
+      for k in ("depths", "samples", "seed")),
+    *(EffectRule(f"eval.{k}", ("eval.tasks",), lambda c: "loss" in c.eval.tasks,
+                 "it is for the held-out loss by position ('loss' in eval.tasks)")
+      for k in ("loss_rows", "data_path", "holdout_fraction")),
     *(EffectRule(f"model.{k}", ("model.hf_path",), lambda c: not c.model.hf_path,
                  "with model.hf_path the model's shapes, vocabulary and rope come from its "
                  "config.json")
@@ -189,8 +204,34 @@ def check_values(cfg: JobConfig) -> None:
         )
     if cfg.data.max_corpus_mb <= 0:
         raise ConfigError(f"data.max_corpus_mb={cfg.data.max_corpus_mb} must be > 0")
+    _check_eval_values(cfg)
     _check_effect(cfg, EFFECT_RULES)
     cfg.context_schedule()  # stage order and tokens_per_step divisibility
+
+
+def _check_eval_values(cfg: JobConfig) -> None:
+    from .config_schema import EVAL_TASKS
+
+    ev = cfg.eval
+    for key, minimum in (("interval", 0), ("depths", 1), ("samples", 1), ("loss_rows", 1)):
+        if getattr(ev, key) < minimum:
+            raise ConfigError(f"eval.{key}={getattr(ev, key)} must be >= {minimum}")
+    bad = [t for t in ev.tasks if t not in EVAL_TASKS]
+    if bad or not ev.tasks or len(set(ev.tasks)) != len(ev.tasks):
+        raise ConfigError(
+            f"eval.tasks={ev.tasks} must be distinct names among {', '.join(EVAL_TASKS)}"
+            + (did_you_mean(bad[0], EVAL_TASKS, cutoff=0.5) if bad else "")
+        )
+    bad_len = [n for n in ev.lengths if n < 2]
+    if bad_len:
+        raise ConfigError(f"eval.lengths={ev.lengths}: every length must be >= 2 tokens")
+    if not 0.0 <= ev.holdout_fraction < 1.0:
+        raise ConfigError(f"eval.holdout_fraction={ev.holdout_fraction} must be in [0, 1)")
+    if ev.data_path and ev.holdout_fraction:
+        raise ConfigError(
+            f"{cfg.describe('eval.data_path')} and {cfg.describe('eval.holdout_fraction')} both "
+            f"name held-out documents; give one"
+        )
 
 
 # --------------------------------------------------------------------------- #
@@ -220,6 +261,8 @@ def validate_config(cfg: JobConfig, world_size: int):
     _check_ring(cfg, schedule, dims)
 
     _check_data(cfg)
+    if cfg.eval.interval:
+        check_eval_data(cfg)
     if cfg.metrics.enable_tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -356,3 +399,29 @@ def _check_data(cfg: JobConfig) -> None:
         except ImportError:
             raise ConfigError(TOKENIZERS_EXTRA_MSG.format(path=spec)) from None
 
+
+
+def check_eval_data(cfg: JobConfig) -> None:
+    """The held-out documents of ``[eval]`` exist (before the trainer or the eval entry
+    point starts). The retrieval tasks need none: they are generated."""
+    ev = cfg.eval
+    if "loss" not in ev.tasks:
+        return
+    if not ev.data_path and not ev.holdout_fraction:
+        raise ConfigError(
+            f"eval.tasks={ev.tasks} has 'loss', which needs held-out documents: set eval.data_path "
+            f"(files training never reads) or eval.holdout_fraction (a share of data.path's "
+            f"documents that training then skips), or drop 'loss' from eval.tasks"
+        )
+    if ev.data_path:
+        p = Path(ev.data_path)
+        if not p.exists() or (p.is_file() and p.suffix not in DATA_SUFFIXES) or not data_files(p):
+            raise ConfigError(
+                f"eval.data_path={ev.data_path!r} is not a {' / '.join(DATA_SUFFIXES)} file or a "
+                f"directory holding one"
+            )
+        if cfg.data.path and Path(cfg.data.path).resolve() == p.resolve():
+            raise ConfigError(
+                f"eval.data_path={ev.data_path!r} is data.path itself: training reads every one of "
+                f"its documents; give other files, or eval.holdout_fraction to split data.path"
+            )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..attention import BACKENDS
+from ..evaluation.tasks import TASKS as EVAL_TASKS
 from ..schedule import DECAYS, ContextSchedule, Stage
 
 # Where a key's value came from; a later source overrides an earlier one.
@@ -166,6 +167,27 @@ class Metrics:
     enable_tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboard)")
     peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0: known GPUs only)")
     progress_bar: bool = _f(True, "show a progress bar in the console line")
+    exchange_timing: bool = _f(
+        True, "time the Ulysses all-to-alls (forward and backward) and log their share of the "
+        "step time (needs parallelism.sp > 1; eager blocks only, not training.compile)")
+
+
+@dataclass
+class Eval:
+    interval: int = _f(0, "evaluate every this many steps and at the last step during training "
+                          "(0: not during training; python -m ulysses_dtensor.eval uses this section)")
+    lengths: list[int] = _f([], "eval lengths in tokens (empty: the training length at that step; "
+                                "for python -m ulysses_dtensor.eval the last stage's)")
+    tasks: list[str] = _f(list(EVAL_TASKS), f"any of {', '.join(EVAL_TASKS)}: held-out loss by "
+                          "position, passkey retrieval, multi-key needle, variable tracking")
+    depths: int = _f(10, "needle depths per length, evenly spaced from 0% to 100%")
+    samples: int = _f(1, "retrieval samples per (task, length, depth)")
+    loss_rows: int = _f(4, "held-out sequences per length for the loss by position")
+    data_path: str = _f("", "held-out documents for the loss (.txt / .jsonl / directory, read "
+                            "with data.tokenizer and data.text_key)")
+    holdout_fraction: float = _f(0.0, "or: hold this fraction of data.path's documents out of "
+                                      "training and evaluate the loss on them")
+    seed: int = _f(1234, "seed of the retrieval samples")
 
 
 @dataclass
@@ -182,6 +204,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     memory: Memory = field(default_factory=Memory)
     metrics: Metrics = field(default_factory=Metrics)
+    eval: Eval = field(default_factory=Eval)
 
     def __post_init__(self) -> None:
         # Where each key was set: "section.key" -> SOURCE_TOML or SOURCE_CLI

@@ -16,14 +16,17 @@ count, so the update is the same as in one pass.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
 from ..batch import shard_batch
+from ..comm_timing import ExchangeTimer, exchange_metrics
 from ..runtime import finish_together, process_group_backend
 from ..data import PackedLoader, TokenStream, build_source, build_tokenizer, padded_vocab_size
 from ..loss import count_valid_tokens, global_loss
@@ -31,6 +34,7 @@ from ..schedule import LRSchedule
 from .checkpoint import CheckpointManager
 from ..data_checks import DataError, check_corpus
 from .config import ConfigError, JobConfig, inactive_settings, model_args, validate_config
+from .eval_setup import PeriodicEval, check_eval_setup, held_out_error, split_for_eval
 from .hf_start import model_info, tokenizer_spec
 from .metrics import MetricsLogger
 from .step import build_optimizer, train_step
@@ -152,6 +156,10 @@ def train(cfg: JobConfig) -> list[dict]:
     tokenizer = build_tokenizer(tokenizer_spec(cfg))
     vocab_size = resolve_vocab_size(cfg, tokenizer.vocab_size)
     source = build_source(cfg.data.path, cfg.data.text_key, cfg.data.max_corpus_mb)
+    # With eval.holdout_fraction training reads only the documents outside the split.
+    source, held_out = split_for_eval(cfg, source)
+    if cfg.eval.interval:
+        check_eval_setup(cfg, tokenizer)
     schedule = cfg.context_schedule()
     lr_schedule = LRSchedule(
         cfg.training.steps,
@@ -161,13 +169,14 @@ def train(cfg: JobConfig) -> list[dict]:
     )
 
     device, owns_group = init_distributed(cpu_collectives=cfg.memory.offload_params)
+    args = (cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule, held_out)
     if not owns_group:  # a caller's group: leave its lifetime to the caller
-        return _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule)
+        return _run(*args)
     with finish_together():
-        return _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule)
+        return _run(*args)
 
 
-def _check_data_on_rank0(cfg: JobConfig, source, tokenizer, schedule, device) -> None:
+def _check_data_on_rank0(cfg: JobConfig, source, tokenizer, schedule, device, held_out=None) -> None:
     """Rank 0 reads the data once; every rank raises the same DataError if it is unusable."""
     verdict = [None]
     if dist.get_rank() == 0:
@@ -181,16 +190,19 @@ def _check_data_on_rank0(cfg: JobConfig, source, tokenizer, schedule, device) ->
             check_corpus(source, tokenizer, schedule.tokens(first.start_step), described=described)
         except DataError as e:
             verdict[0] = str(e)
+        if verdict[0] is None and cfg.eval.interval:
+            longest = max(cfg.eval.lengths or [st.seq_len for st in schedule.stages])
+            verdict[0] = held_out_error(held_out, tokenizer, cfg.eval.loss_rows, longest)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(verdict, src=0, device=device if device.type == "cuda" else None)
     if verdict[0] is not None:
         raise DataError(verdict[0])
 
 
-def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule) -> list[dict]:
+def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule, held_out) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     # Before anything is built or written: a bad corpus stops the run here.
-    _check_data_on_rank0(cfg, source, tokenizer, schedule, device)
+    _check_data_on_rank0(cfg, source, tokenizer, schedule, device, held_out)
     torch.manual_seed(cfg.job.seed)
     pmesh = dims.build_mesh(device.type)
 
@@ -229,6 +241,9 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
             f"{cfg.training.steps}; raise training.steps or use another job.dump_folder"
         )
     n_params = sum(p.numel() for p in model.parameters())
+    # The exchanges' share of step time (eager only: compiled blocks cannot carry the timer).
+    timed = cfg.metrics.exchange_timing and dims.sp > 1 and not cfg.training.compile
+    timer = ExchangeTimer(device) if timed else None
     _print0(
         f"{cfg.job.description or 'ulysses_dtensor training'}\n"
         f"  world {world} on {device.type}: dp_replicate={dims.dp_replicate} "
@@ -238,7 +253,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
         f"  data {cfg.data.path or 'built-in stdlib corpus'}: {len(source)} documents; "
         f"{schedule}\n"
-        f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}"
+        f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
+        f"  {_eval_banner(cfg, held_out)}; {_timing_banner(cfg, dims.sp, timer is not None)}"
         + "".join(f"\n  not in effect: {note}" for note in inactive_settings(cfg))
     )
     if rank == 0:
@@ -258,6 +274,11 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         resume_step=start_step,
     )
 
+    evaluation = None
+    if cfg.eval.interval:
+        evaluation = PeriodicEval(cfg, model, pmesh, tokenizer, device, held_out, metrics.tb)
+    recent_step_times: list[float] = []
+
     rows: list[dict] = []
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.training.max_norm or float("inf")
@@ -271,20 +292,22 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         n_valid = count_valid_tokens(local["labels"], pmesh.loss)
 
         lr = cfg.optimizer.lr * lr_schedule(step)
-        loss_sum, grad_norm = train_step(
-            model,
-            optimizer,
-            local,
-            n_valid,
-            micro_batch_size=cfg.training.micro_batch_size,
-            max_norm=max_norm,
-            lr=lr,
-            params=params,
-        )
+        with timer.active() if timer is not None else contextlib.nullcontext():
+            loss_sum, grad_norm = train_step(
+                model,
+                optimizer,
+                local,
+                n_valid,
+                micro_batch_size=cfg.training.micro_batch_size,
+                max_norm=max_norm,
+                lr=lr,
+                params=params,
+            )
 
         loss_value = global_loss(loss_sum, pmesh.loss).item()
         grad_norm = float(grad_norm)
         step_time = time.perf_counter() - t0
+        recent_step_times.append(step_time)
         row = metrics.log(
             step=step,
             seq_len=seq_len,
@@ -295,9 +318,14 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
             tokens_seen=loader.tokens_seen,
             step_tokens=batch_size * seq_len,
             step_time=step_time,
+            # Read after the loss was fetched: on CUDA the exchange events are done.
+            extra=exchange_metrics(timer.read(), step_time) if timer is not None else None,
         )
         if row is not None:
             rows.append(row)
+        if evaluation is not None and evaluation.due(step):
+            evaluation.run(step, seq_len, step_seconds=statistics.median(recent_step_times))
+            recent_step_times.clear()
 
         if ckpt.should_save(step, cfg.training.steps):
             ckpt.save(
@@ -320,3 +348,26 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
             _print0(f"saved checkpoint {ckpt.path(step)}")
     metrics.close()
     return rows
+
+
+def _eval_banner(cfg: JobConfig, held_out) -> str:
+    ev = cfg.eval
+    data = ""
+    if held_out is not None:
+        data = (f", held-out {len(held_out)} documents ("
+                + (f"eval.data_path={ev.data_path!r}" if ev.data_path
+                   else f"eval.holdout_fraction={ev.holdout_fraction:g}, never trained on") + ")")
+    if not ev.interval:
+        split = " (held-out split kept out of training)" if held_out is not None and ev.holdout_fraction else ""
+        return f"eval off during training (eval.interval=0){split}"
+    lengths = ",".join(map(str, ev.lengths)) or "the training length"
+    return (f"eval every {ev.interval} steps at {lengths}: {', '.join(ev.tasks)}"
+            f" ({ev.depths} depths x {ev.samples} samples){data}")
+
+
+def _timing_banner(cfg: JobConfig, sp: int, on: bool) -> str:
+    if on:
+        return "all-to-all time and share of step logged (exchange_ms, exchange_share)"
+    why = ("no all-to-all at sp=1" if sp == 1 else "training.compile" if cfg.training.compile
+           else "metrics.exchange_timing=false")
+    return f"all-to-all timing off ({why})"

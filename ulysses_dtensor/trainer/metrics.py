@@ -10,6 +10,10 @@ step's sequence length) / peak FLOP/s of one device. Peaks are dense bf16:
 H100 and H200 989e12, A100 312e12; elsewhere (CPU) MFU is null unless
 ``metrics.peak_flops`` is set. Peak memory is this rank's (rank 0's): CUDA max
 allocated, or on CPU the process's max resident set size.
+
+With sp > 1 (eager) rows also carry rank 0's time in the Ulysses all-to-alls
+(``exchange_ms``, split ``exchange_fwd_ms`` / ``exchange_bwd_ms``) and its share
+of the step's wall time (``exchange_share``); see :mod:`ulysses_dtensor.comm_timing`.
 """
 
 from __future__ import annotations
@@ -160,8 +164,8 @@ class MetricsLogger:
             fh.write(json.dumps(_finite(row)) + "\n")
         if self.tb is not None:
             for key in ("loss", "grad_norm", "lr", "tps", "tps_per_device", "mfu",
-                        "peak_memory_gib", "seq_len"):
-                if row[key] is not None:
+                        "peak_memory_gib", "seq_len", "exchange_ms", "exchange_share"):
+                if row.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", row[key], step)
         if step % self.log_freq == 0 or step == self.total_steps:
             print(self.format(row), flush=True)
@@ -170,12 +174,13 @@ class MetricsLogger:
     def format(self, row: dict) -> str:
         bar = f"{progress_bar(row['step'], self.total_steps)} " if self.show_progress else ""
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "n/a"
+        a2a = f" a2a {100 * row['exchange_share']:.1f}%" if row.get("exchange_share") is not None else ""
         return (
             f"{bar}step {row['step']:>{len(str(self.total_steps))}}/{self.total_steps} "
             f"seq {row['seq_len']} loss {row['loss']:.4f} gnorm {row['grad_norm']:.3f} "
             f"lr {row['lr']:.2e} tok/s {_fmt_count(row['tps'])} "
             f"({_fmt_count(row['tps_per_device'])}/dev) mfu {mfu} "
-            f"mem {row['peak_memory_gib']:.2f}GiB seen {_fmt_count(row['tokens_seen'])}"
+            f"mem {row['peak_memory_gib']:.2f}GiB seen {_fmt_count(row['tokens_seen'])}{a2a}"
         )
 
     def close(self) -> None:
