@@ -83,7 +83,7 @@ def test_trainer_evaluates_and_the_checkpoint_gives_the_same(runs, capsys):
     assert {(r["task"], r["depth"]) for r in cells} == {
         (t, x) for t in ("passkey", "multikey", "vartrack") for x in (0.0, 1.0)}
     (summary,) = [r for r in rows if r["step"] == 3 and r["kind"] == "eval"]
-    assert summary["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "sp": 2}
+    assert summary["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "sp": 2, "ring": 1}
     assert summary["train_steps_equivalent"] > 0
     events = b"".join(p.read_bytes() for p in (dump / "tb").iterdir())
     for tag in (f"eval/passkey/len{LENGTH}/accuracy", f"eval/loss/len{LENGTH}", "train/exchange_share"):

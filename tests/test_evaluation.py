@@ -181,8 +181,8 @@ def _eval_worker(rank, world, meshes, files):
     from ulysses_dtensor.mesh import ParallelDims
 
     out = []
-    for rep, shard, sp, features in meshes:
-        pmesh = ParallelDims(rep, shard, sp, world_size=world).build_mesh("cpu")
+    for rep, shard, sp, features, ring in meshes:
+        pmesh = ParallelDims(rep, shard, sp, ring=ring, world_size=world).build_mesh("cpu")
         out.append(_evaluate(pmesh, files, features, loss_chunks=5 if features else None))
     return out if rank == 0 else None
 
@@ -203,11 +203,12 @@ def _max_diff(rows, ref, label) -> float:
 
 def test_same_results_on_every_mesh(files):
     ref = _evaluate(None, files)  # one process, no FSDP, no SP
-    results = {"sp2": run_ranks(2, _eval_worker, [(1, 1, 2, False)], files)[0][0]}
+    results = {"sp2": run_ranks(2, _eval_worker, [(1, 1, 2, False, 1)], files)[0][0]}
     # dp 2 x sp 2 with full activation checkpointing, tiled MLP and a chunked head:
-    # the memory features of training change nothing
-    four = run_ranks(4, _eval_worker, [(1, 1, 4, False), (1, 2, 2, True)], files)[0]
-    results.update({"sp4": four[0], "dp2xsp2+ac+tiled_mlp": four[1]})
+    # the memory features of training change nothing; ring 2 x ulysses 2 (USP) lays
+    # the sequence out in mirrored chunks, which the scoring must undo
+    four = run_ranks(4, _eval_worker, [(1, 1, 4, False, 1), (1, 2, 2, True, 1), (1, 1, 4, False, 2)], files)[0]
+    results.update({"sp4": four[0], "dp2xsp2+ac+tiled_mlp": four[1], "ring2xulysses2": four[2]})
     diffs = {label: _max_diff(rows, ref, label) for label, rows in results.items()}
     print("max abs diff of bucket losses / mean log-probs vs 1 process:", diffs)
     assert max(diffs.values()) < 1e-5, diffs

@@ -119,10 +119,11 @@ class Evaluator:
             return 0, 1
         return self.pmesh.dp_rank, self.pmesh.dims.dp
 
-    def _sp(self) -> tuple[int, int]:
+    def _sp(self) -> tuple[int, int, int]:
+        """(sp rank, sp size, ring degree): ring > 1 lays the sequence out in mirrored chunks."""
         if self.pmesh is None:
-            return 0, 1
-        return self.pmesh.sp_rank, self.pmesh.dims.sp
+            return 0, 1, 1
+        return self.pmesh.sp_rank, self.pmesh.dims.sp, self.pmesh.dims.ring
 
     # ------------------------------------------------------------ work
     def _items(self, length: int, slot0: int) -> list[_Item]:
@@ -192,8 +193,8 @@ class Evaluator:
 
     # ------------------------------------------------------------ passes
     def _hidden(self, ids: Tensor, pos: Tensor) -> tuple[Tensor, dict]:
-        sp_rank, sp = self._sp()
-        local = shard_batch({"input_ids": ids, "position_ids": pos}, sp_rank=sp_rank, sp_size=sp)
+        sp_rank, sp, ring = self._sp()
+        local = shard_batch({"input_ids": ids, "position_ids": pos}, sp_rank=sp_rank, sp_size=sp, ring=ring)
         local = {k: None if v is None else v.to(self.device) for k, v in local.items()}
         h = self.model.hidden_states(local["input_ids"], position_ids=local["position_ids"],
                                      document_ids=local["document_ids"])
@@ -222,11 +223,10 @@ class Evaluator:
         ids = torch.from_numpy(sample.tokens)[None]
         pos = torch.arange(sample.length)[None]
         h, local = self._hidden(ids, pos)
-        sp_rank, _ = self._sp()
-        local_len = h.shape[1]
         # Label position t predicts token t + 1: the answer is predicted at
-        # answer_start - 1 ... length - 2 (global positions).
-        glob = sp_rank * local_len + torch.arange(local_len, device=h.device)
+        # answer_start - 1 ... length - 2 (global positions; one document, so the
+        # position ids are those positions, in whatever order the ring laid them out).
+        glob = local["position_ids"][0]
         mine = (glob >= sample.answer_start - 1) & (glob <= sample.length - 2)
         # Every rank calls the output projection, with or without answer positions:
         # FSDP records each forward call, and ranks must make the same calls.
@@ -236,9 +236,9 @@ class Evaluator:
     # ------------------------------------------------------------ results
     def _mesh_info(self) -> dict:
         if self.pmesh is None:
-            return {"mesh": {"dp_replicate": 1, "dp_shard": 1, "sp": 1}}
+            return {"mesh": {"dp_replicate": 1, "dp_shard": 1, "sp": 1, "ring": 1}}
         d = self.pmesh.dims
-        return {"mesh": {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "sp": d.sp}}
+        return {"mesh": {"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "sp": d.sp, "ring": d.ring}}
 
     def _rows(self, step, lengths, packed, buckets, per_length, offsets) -> list[dict]:
         rows: list[dict] = []
