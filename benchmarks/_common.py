@@ -71,6 +71,14 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def resolve_device_dtype(args) -> None:
+    """``--device auto`` / ``--dtype auto``: CUDA in bf16 when there is a GPU, else CPU in fp32."""
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

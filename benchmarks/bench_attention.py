@@ -98,10 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in base.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.dtype == "auto":
-        a.dtype = "bfloat16" if a.device == "cuda" else "float32"
+    C.resolve_device_dtype(a)
     return a
 
 

@@ -75,10 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         for k, v in QUICK.items():
             setattr(a, k, v)
         a.check = True
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if a.dtype == "auto":
-        a.dtype = "bfloat16" if a.device == "cuda" else "float32"
+    C.resolve_device_dtype(a)
     return a
 
 

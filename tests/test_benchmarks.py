@@ -1,4 +1,4 @@
-"""The attention benchmark in its quick mode: JSON lines, exact bytes, parity.
+"""The attention and ring benchmarks in their quick modes: JSON lines, exact bytes, parity.
 
 Runs ``benchmarks/bench_attention.py --quick`` as a subprocess (it spawns its
 own gloo ranks for sp 1 and 2) and checks what it prints: one JSON object per
@@ -24,9 +24,9 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_attention.py")
 FP32_TOL = 1e-5
 
 
-def _run(*args: str, timeout: float) -> list[dict]:
+def _run(*args: str, timeout: float, script: str = SCRIPT) -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--quick", *args],
+        [sys.executable, script, "--quick", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -88,3 +88,22 @@ def test_bench_attention_vs_deepspeed():
     diffs = rec["agreement"]["deepspeed_vs_ours_separate"]
     assert max(diffs.values()) <= FP32_TOL, diffs
     assert rec["ratios"]["ours_separate/deepspeed"] > 0
+
+
+def test_bench_ring_quick():
+    """bench_ring.py --quick (ring 2 on 2 gloo ranks, GQA): its bytes are the ring's
+    k/v traffic counted by hand, both variants equal unsharded attention."""
+    (rec,) = _run("--check", timeout=180, script=os.path.join(ROOT, "benchmarks", "bench_ring.py"))
+    cfg = rec["config"]
+    ring, uly, b, seq, kv, d = (cfg[k] for k in ("ring", "ulysses", "batch", "seq", "kv_heads", "head_dim"))
+    assert (ring, uly) == (2, 1)
+    # Each ring step moves one k/v block (seq / ring tokens of k and v, fp32):
+    # ring - 1 steps forward; backward ring - 1 k/v steps and ring dk/dv steps.
+    block = 2 * b * (seq // ring) * kv * d * 4
+    assert rec["sent_bytes_per_rank"] == rec["expected_sent_bytes_per_rank"] == (3 * ring - 2) * block
+    assert rec["collectives"] == {"all_to_all_single": 3 * ring - 2}
+    assert rec["max_abs_diff_overlapped_vs_serial"] <= FP32_TOL
+    assert rec["max_abs_diff_vs_unsharded"] <= FP32_TOL
+    for name in ("overlapped", "serial", "transfers"):
+        assert rec["variants"][name]["n"] == 3 and rec["variants"][name]["median_ms"] > 0
+    assert rec["ratios"]["overlapped_over_serial"] > 0

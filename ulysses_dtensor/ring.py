@@ -193,6 +193,15 @@ def _send_to_next(buf: Tensor, group, rank: int, size: int) -> Tensor:
     return funcol.all_to_all_single(buf, recv, send, group)
 
 
+def _next_block(kv: Tensor, step: int, group, rank: int, size: int, overlap: bool) -> Tensor | None:
+    """Start passing the current block on (none after the last step); without
+    ``overlap`` wait for it at once, the benchmark's serial reference."""
+    if step == size - 1:
+        return None
+    nxt = _send_to_next(kv, group, rank, size)
+    return nxt if overlap else _wait(nxt)
+
+
 def _wait(t: Tensor) -> Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
@@ -218,11 +227,7 @@ class _RingAttentionFn(torch.autograd.Function):
         k_own.copy_(k)
         v_own.copy_(v)
         for i in range(size):
-            nxt = None
-            if i < size - 1:
-                nxt = _send_to_next(kv, group, rank, size)
-                if not overlap:
-                    nxt = _wait(nxt)
+            nxt = _next_block(kv, i, group, rank, size, overlap)
             src = (rank - i) % size
             kb, vb = _split_kv(kv, k.shape)
             step_states = []
@@ -258,11 +263,7 @@ class _RingAttentionFn(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dkv = None  # the block's fp32 dk/dv accumulator, passed on with it
         for i in range(size):
-            nxt = None
-            if i < size - 1:
-                nxt = _send_to_next(kv, group, rank, size)
-                if not overlap:
-                    nxt = _wait(nxt)
+            nxt = _next_block(kv, i, group, rank, size, overlap)
             src = (rank - i) % size
             kb, vb = _split_kv(kv, kv_shape)
             pending = []  # this step's dk/dv pieces, added once the block's accumulator is here
