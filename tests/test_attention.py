@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ulysses_dtensor import attention as A
+from ulysses_dtensor import documents as D
 from ulysses_dtensor.attention import (
     BACKENDS,
     LocalAttention,
@@ -425,9 +426,9 @@ def cuda_checks_off(monkeypatch):
 
     monkeypatch.setattr(varlen_mod, "varlen_attn", fake_varlen_attn)
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_module())
-    A._DOC_CACHE.clear()
+    D.DOC_CACHE.clear()
     yield
-    A._DOC_CACHE.clear()
+    D.DOC_CACHE.clear()
 
 
 @pytest.mark.parametrize("backend", ["varlen", "flash_attn"])

@@ -59,7 +59,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .attention import LocalAttention, _cached_for, local_attention
+from .attention import LocalAttention, local_attention
+from .documents import cached_for_documents
 from .ring_kernels import pair_backward, pair_forward, varlen_runs
 from .ring_layout import Documents, layout_indices, layout_position_ids, original_segment_ids, seq_multiple
 
@@ -332,7 +333,7 @@ def ring_attention(
                 f"{(b, s * size)}; got {tuple(document_ids.shape)}"
             )
         document_ids = document_ids.to(q.device)
-        docs = _cached_for(
+        docs = cached_for_documents(
             "ring_documents", document_ids, (size,),
             lambda: Documents(original_segment_ids(document_ids, size), 2 * size),
         )

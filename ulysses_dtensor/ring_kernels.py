@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .attention import _cu_seqlens
+from .documents import cu_seqlens
 
 _aten = torch.ops.aten
 
@@ -55,7 +55,7 @@ def pair_backward(dout, q, k, v, out, lse, causal: bool, mask, scale, state):
 
 def varlen_runs(seg_chunk: Tensor) -> tuple[Tensor, int]:
     """(B, C) segment ids of a chunk -> cu_seqlens over the flattened rows and the longest run."""
-    cu = _cu_seqlens(seg_chunk)
+    cu = cu_seqlens(seg_chunk)
     return cu, int((cu[1:] - cu[:-1]).max().item())
 
 

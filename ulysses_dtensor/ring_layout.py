@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
-from .attention import _segment_ids
+from .documents import segment_ids
 
 __all__ = ["Documents", "layout_indices", "layout_position_ids", "original_segment_ids", "seq_multiple"]
 
@@ -63,7 +63,7 @@ def original_segment_ids(document_ids: Tensor, ring: int) -> Tensor:
     idx = layout_indices(s, ring, document_ids.device)
     original = torch.empty_like(document_ids)
     original[:, idx] = document_ids
-    return _segment_ids(original)
+    return segment_ids(original)
 
 
 class Documents:
