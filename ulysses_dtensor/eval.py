@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .data import DataError
 from .runtime import exit_process
+from .trainer.cli import exit_on_user_error
 from .trainer.config_schema import ConfigError
 
 
@@ -124,16 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    try:
+    with exit_on_user_error():
         evaluate(argv)
-    except ConfigError as e:
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"config error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    except DataError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"data error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
     return 0
 
 
