@@ -53,7 +53,7 @@ class ContextSchedule:
         self.stages = list(stages)
         for i, st in enumerate(self.stages):
             if st.seq_len < 1:
-                raise ValueError(f"{self._key(i)}={st.seq_len} must be >= 1")
+                raise ValueError(f"{self.key(i)}={st.seq_len} must be >= 1")
         if self.stages[0].start_step != 1:
             raise ValueError(
                 f"context.schedule[0].start_step={self.stages[0].start_step}: the first "
@@ -76,7 +76,7 @@ class ContextSchedule:
                 if tokens_per_step < st.seq_len or tokens_per_step % st.seq_len:
                     raise ValueError(
                         f"training.tokens_per_step={tokens_per_step} is not a whole multiple "
-                        f"of {self._key(i)}={st.seq_len} (stage from step "
+                        f"of {self.key(i)}={st.seq_len} (stage from step "
                         f"{st.start_step}); with constant tokens per step every stage's "
                         f"seq_len must divide tokens_per_step"
                     )
@@ -85,7 +85,8 @@ class ContextSchedule:
                     f"training.global_batch_size={global_batch_size} must be >= 1"
                 )
 
-    def _key(self, i: int) -> str:
+    def key(self, i: int) -> str:
+        """The config key stage ``i``'s length came from, for messages."""
         return self._length_key or f"context.schedule[{i}].seq_len"
 
     # ------------------------------------------------------------------ lookup
@@ -121,7 +122,7 @@ class ContextSchedule:
         for i, st in enumerate(self.stages):
             if st.seq_len % sp:
                 raise ValueError(
-                    f"{self._key(i)}={st.seq_len} (stage from step "
+                    f"{self.key(i)}={st.seq_len} (stage from step "
                     f"{st.start_step}) is not a multiple of parallelism.sp={sp}; packed "
                     f"training sequences must split evenly over the sp ranks: use a "
                     f"multiple of {sp} (e.g. {max(sp, st.seq_len // sp * sp)})"

@@ -299,7 +299,7 @@ def _check_ring(cfg: JobConfig, schedule, dims) -> None:
     for i, st in enumerate(schedule.stages):
         if st.seq_len % unit:
             raise ConfigError(
-                f"seq_len={st.seq_len} (context stage {i}, from step {st.start_step}) must be a "
+                f"{schedule.key(i)}={st.seq_len} (stage from step {st.start_step}) must be a "
                 f"multiple of lcm(sp={dims.sp}, 2*ring={2 * dims.ring}) = {unit} with "
                 f"parallelism.ring={dims.ring}: the ring's load-balanced layout cuts each sequence "
                 f"into 2*ring chunks (e.g. {max(unit, st.seq_len // unit * unit)})"
