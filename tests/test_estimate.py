@@ -468,6 +468,14 @@ def test_search_api_agrees_with_plans():
     assert res.best is not None and res.next_up is not None and res.confirmed
     assert res.best.peak_bytes <= 0.05 * GIB < res.next_up.peak_bytes
     assert res.next_up.seq_len == res.max_seq_len + res.unit
+    # A guessed bracket seeds the search: a right one is all it plans, one a unit
+    # low (both fit) costs a point but not the answer.
+    m, u = res.max_seq_len, res.unit
+    for guess, planned in (((m, m + u), [m, m + u]), ((m - u, m), [m - u, m, m + u])):
+        again = find_max_seq_len(cfg, 2, budget_gib=0.05, headroom_gib=0.0, granularity=128,
+                                 device="cpu", confirm=False, guess=guess)
+        assert again.max_seq_len == m, (guess, again.max_seq_len, m)
+        assert planned is None or [p[0] for p in again.plans] == planned
 
 
 def test_max_seq_len_benchmark_smoke_run():
