@@ -151,36 +151,67 @@ def parallelize_llama(
                 block = torch.compile(block, fullgraph=True, backend=compile_backend)
             layers.register_module(layer_id, OffloadedCheckpointBlock(block, offloader))
             continue
-        if ac_mode == "full":
-            block = _checkpoint(block)
-        elif ac_mode == "selective":
-            if every_k is None:
-                block = _checkpoint(block, context_fn=_op_sac_context)
-            elif (int(layer_id) + 1) % every_k == 0:
-                block = _checkpoint(block)
+        block = checkpoint_block(block, int(layer_id), ac_mode, every_k)
         if compile:
             block = torch.compile(block, fullgraph=True, backend=compile_backend)
         layers.register_module(layer_id, block)
 
     mesh = pmesh.param_mesh
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload_params else OffloadPolicy()
-    shard = functools.partial(fully_shard, mesh=mesh, offload_policy=offload)
+    # Tied tables must stay in one group: the root's.
+    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
+    embed = getattr(model, "tok_embeddings", None) if not tied else None
+    head = [model.norm, model.output] if not tied and hasattr(model, "output") else None
     # Inputs are not cast: rope cos/sin stay float32 under bf16 compute
     # (activations already come out of the embedding in param_dtype).
+    shard_model(model, list(layers.values()), mesh, embed=embed, head=head, param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+    if hasattr(model, "hidden_states"):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "hidden_states")
+    return model
+
+
+
+def checkpoint_block(block: nn.Module, index: int, ac_mode: str, every_k: int | None) -> nn.Module:
+    """Block ``index`` as activation checkpointing wraps it: every block (``full``),
+    op-level selective (``selective``, ``every_k`` None), or every k-th block fully."""
+    if ac_mode == "full" or (ac_mode == "selective" and every_k is not None and (index + 1) % every_k == 0):
+        return _checkpoint(block)
+    if ac_mode == "selective" and every_k is None:
+        return _checkpoint(block, context_fn=_op_sac_context)
+    return block
+
+
+def shard_model(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh,
+    *,
+    embed: nn.Module | None,
+    head: list[nn.Module] | None,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    offload_policy: OffloadPolicy | None = None,
+) -> None:
+    """FSDP2 groups over ``mesh``: the embedding table (None: it stays in the root,
+    e.g. tied to the head), one group per block, the final norm + head, then the
+    root; gradients are summed, not averaged. Forward inputs are not cast per group."""
+    shard = functools.partial(fully_shard, mesh=mesh, offload_policy=offload_policy or OffloadPolicy())
     mp = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
-    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
-    if not tied and hasattr(model, "tok_embeddings"):
-        # Own groups, so the (vocab x dim) tables are not held unsharded for
-        # the whole step. Tied tables must stay in one group: the root's.
-        shard(model.tok_embeddings, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    n = len(layers)
-    for i, block in enumerate(layers.values()):
+    if embed is not None:
+        # Its own group, so the (vocab x dim) table is not held unsharded for the whole step.
+        shard(embed, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    n = len(blocks)
+    for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward.
         shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < n - 1)
-    if not tied and hasattr(model, "output"):
+    if head is not None:
         # Used last in forward and first in backward: never resharded in between.
-        shard([model.norm, model.output], mp_policy=mp, reshard_after_forward=False)
-    # The root (tied tables, else no parameters) keeps FSDP's own root policy.
+        shard(head, mp_policy=mp, reshard_after_forward=False)
+    # The root (tied tables, else no parameters of its own) keeps FSDP's own root policy.
     shard(
         model, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype),
         reshard_after_forward=None if reshard_after_forward else False,
@@ -190,12 +221,6 @@ def parallelize_llama(
             # The loss is already divided by the global token count: sum, don't average.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    if hasattr(model, "hidden_states"):
-        from torch.distributed.fsdp import register_fsdp_forward_method
-
-        register_fsdp_forward_method(model, "hidden_states")
-    return model
-
 
 def _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks) -> None:
     for name, value in (("mlp_tiles", mlp_tiles), ("loss_chunks", loss_chunks)):

@@ -28,14 +28,13 @@ from typing import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ..attention import check_backend
 from ..batch import shard_batch
 from ..loss import IGNORE_INDEX
 from ..mesh import ParallelMesh
-from ..parallelize import AC_MODES, _check_compile_backend, _checkpoint, _op_sac_context, _parse_selective_ac
+from ..parallelize import AC_MODES, _check_compile_backend, _parse_selective_ac, checkpoint_block, shard_model
 from ..ulysses import UlyssesAttention, kv_replication
 from .hf_attention import ATTN_IMPLEMENTATION, DOCUMENT_IDS_KWARG, UlyssesCore, ulysses_attention_forward
 
@@ -137,10 +136,7 @@ def parallelize_hf_model(
     # 2-3. Activation checkpointing, then compile around it (in place: names unchanged).
     fullgraph = bool(getattr(model, "_can_compile_fullgraph", False))
     for i, layer in enumerate(layers):
-        if ac_mode == "full" or (ac_mode == "selective" and every_k is not None and (i + 1) % every_k == 0):
-            layer = _checkpoint(layer)
-        elif ac_mode == "selective" and every_k is None:
-            layer = _checkpoint(layer, context_fn=_op_sac_context)
+        layer = checkpoint_block(layer, i, ac_mode, every_k)
         if compile:
             layer.compile(backend=compile_backend, fullgraph=fullgraph)
         layers[i] = layer
@@ -258,30 +254,16 @@ def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int):
 
 
 def _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward) -> None:
-    shard = functools.partial(fully_shard, mesh=pmesh.param_mesh)
-    # Inputs are not cast per group: transformers casts what it needs itself.
-    mp = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and embed is not None and head.weight is embed.weight
-    if embed is not None and not tied:
-        shard(embed, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    n = len(layers)
-    for i, layer in enumerate(layers):
-        # The last layer's parameters are needed again at once by backward.
-        shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < n - 1)
-    if head is not None and not tied:
-        # Used last in forward and first in backward: never resharded in between.
+    """FSDP2 / HSDP as for our Llama; inputs are not cast per group (transformers
+    casts what it needs itself)."""
+    embed, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = out is not None and embed is not None and out.weight is embed.weight
+    head = None
+    if out is not None and not tied:
         norm = getattr(_layers_parent(model, layers), "norm", None)
-        shard([head] if norm is None else [norm, head], mp_policy=mp, reshard_after_forward=False)
-    shard(
-        model, mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype),
-        reshard_after_forward=None if reshard_after_forward else False,
-    )
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            # The loss is already divided by the global token count: sum, don't average.
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+        head = [out] if norm is None else [norm, out]
+    shard_model(model, list(layers), pmesh.param_mesh, embed=None if tied else embed, head=head,
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
 
 
 def _layers_parent(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
