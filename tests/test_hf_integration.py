@@ -18,9 +18,9 @@ all-reduced), and its router loss is transformers' own
 (relative error <= 1e-5) and every parameter's gradient (relative error of the
 norm <= 1e-4) must match; each pattern must change the reference (so a dropped
 one would fail); the collectives of each forward and backward are counted
-exactly. With ``ULYSSES_FAMILY_RESULTS=path.json`` the worst errors per
-(family, mesh) are written there (``scripts/family_table.py`` turns them into
-the README table).
+exactly. With ``ULYSSES_FAMILY_RESULTS=<dir>`` the worst errors per (family,
+mesh) are written to ``<dir>/hf_families.json`` (``scripts/family_table.py``
+turns the JSON files of that folder into the README table).
 """
 
 from __future__ import annotations
@@ -342,8 +342,10 @@ def _run_case(family, dims, opts, batch, ref_loss, ref_grads, world):
         vision = [m for m in model.model.visual.modules() if type(m).__name__.endswith("Attention")]
         assert vision and not any(hasattr(m, "ulysses") for m in vision)
         assert model.config.vision_config._attn_implementation == "eager"
-    return dict(family=family, dims=list(dims), opts=shown, loss_rel=loss_rel, grad_rel=grad_rel,
-                counts={"forward": fwd.counts(), "backward": bwd.counts()})
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers.models."))
+    return dict(family=family, model_class=cls.__name__, model_type=model.config.model_type, dims=list(dims),
+                opts=shown, loss_rel=loss_rel,
+                grad_rel=grad_rel, counts={"forward": fwd.counts(), "backward": bwd.counts()})
 
 
 def _parity_worker(rank: int, world: int) -> list[dict]:
@@ -389,16 +391,25 @@ def test_hf_families_match_unsharded_on_every_mesh():
     assert {(r["family"], tuple(r["dims"])) for r in mine} == want
     out = os.environ.get("ULYSSES_FAMILY_RESULTS")
     if out:
-        worst = {}
-        for r in (x for per_rank in results for x in per_rank):
-            key = (r["family"], tuple(r["dims"]))
-            w = worst.setdefault(key, {"loss_rel": 0.0, "grad_rel": 0.0})
-            w["loss_rel"], w["grad_rel"] = max(w["loss_rel"], r["loss_rel"]), max(w["grad_rel"], r["grad_rel"])
-        Path(out).write_text(json.dumps({
-            "families": {f: {"model_type": f, "features": list(s.features), "layers": s.layers}
-                         for f, s in FAMILIES.items()},
-            "results": [{"family": f, "dims": list(d), **w} for (f, d), w in sorted(worst.items())],
-        }, indent=1))
+        write_results(Path(out) / "hf_families.json", [x for per_rank in results for x in per_rank])
+
+
+def write_results(path: Path, results: list[dict]) -> None:
+    """Worst loss / gradient error per (family, mesh) over every rank, with each family's patterns."""
+    from ulysses_dtensor.integrations.hf_families import KNOWN_MODEL_TYPES
+
+    worst, seen = {}, {}
+    for r in results:
+        key = (r["family"], tuple(r["dims"]))
+        w = worst.setdefault(key, {"loss_rel": 0.0, "grad_rel": 0.0})
+        w["loss_rel"], w["grad_rel"] = max(w["loss_rel"], r["loss_rel"]), max(w["grad_rel"], r["grad_rel"])
+        seen[r["family"]] = r
+    families = {f: {"model_class": seen[f]["model_class"], "model_type": seen[f]["model_type"],
+                    "features": list(spec.features), "layers": spec.layers,
+                    "covers": KNOWN_MODEL_TYPES.get(seen[f]["model_type"], "")}
+                for f, spec in FAMILIES.items()}
+    rows = [{"family": f, "dims": list(d), **w} for (f, d), w in sorted(worst.items())]
+    path.write_text(json.dumps({"families": families, "results": rows}, indent=1) + "\n")
 
 
 def _raises(fn, *words) -> str:
@@ -532,3 +543,36 @@ def test_example_hf_custom_loop_trains_loads_and_saves(tmp_path):
     assert math.isclose(log["saved_norm"], saved_norm, rel_tol=1e-6), (log["saved_norm"], saved_norm)
     assert not math.isclose(saved_norm, loaded_norm, rel_tol=1e-4)
     assert (save_dir / "config.json").exists()
+
+
+# ---------------------------------------------------------------------------
+# scripts/family_table.py: the README table from the results' JSON files
+# ---------------------------------------------------------------------------
+
+
+def test_family_table_renders_results_and_rewrites_only_its_block(tmp_path):
+    spec = importlib.util.spec_from_file_location("family_table", ROOT / "scripts" / "family_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "a.json").write_text(json.dumps({
+        "families": {"gpt_oss": {"model_class": "GptOssForCausalLM", "features": ["window", "sinks"], "covers": "x"}},
+        "results": [{"family": "gpt_oss", "dims": [1, 1, 2], "loss_rel": 2e-8, "grad_rel": 3e-7},
+                    {"family": "gpt_oss", "dims": [1, 2, 2], "loss_rel": 5e-8, "grad_rel": 1e-7}]}))
+    # Another test's file fills the hybrid column with the same format.
+    (results / "b.json").write_text(json.dumps({
+        "families": {"qwen3_next": {"model_class": "Qwen3NextForCausalLM", "features": ["hybrid", "moe"]}},
+        "results": [{"family": "qwen3_next", "dims": [2, 1, 2], "loss_rel": 1e-7, "grad_rel": 2e-6}]}))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{table.BEGIN}\nstale\n{table.END}\noutro\n")
+    assert table.main(["--results", str(results), "--readme", str(readme), "--check"]) == 1
+    assert table.main(["--results", str(results), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{table.END}\noutro\n") and "stale" not in text
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    oss, nxt = rows["| gpt_oss (GptOssForCausalLM)"], rows["| qwen3_next (Qwen3NextForCausalLM)"]
+    assert oss[1:8] == ["yes", "", "yes", "", "", "", ""]  # window, soft-cap, sinks, MLA, MoE, hybrid, VL rope
+    assert oss[8:11] == ["sp 2, dp_shard 2 x sp 2", "5.0e-08", "3.0e-07"]  # the worst over meshes
+    assert nxt[5:7] == ["yes", "yes"] and nxt[8] == "dp_replicate 2 x sp 2"
+    assert table.main(["--results", str(results), "--readme", str(readme), "--check"]) == 0
