@@ -36,7 +36,14 @@ from ..loss import IGNORE_INDEX
 from ..mesh import ParallelMesh
 from ..parallelize import AC_MODES, _check_compile_backend, _parse_selective_ac, checkpoint_block, shard_model
 from ..ulysses import UlyssesAttention, kv_replication
-from .hf_attention import ATTN_IMPLEMENTATION, DOCUMENT_IDS_KWARG, UlyssesCore, ulysses_attention_forward
+from .hf_attention import (
+    ATTN_IMPLEMENTATION,
+    DOCUMENT_IDS_KWARG,
+    UlyssesCore,
+    check_backend_for_patterns,
+    model_patterns,
+    ulysses_attention_forward,
+)
 from .hf_families import check_known_family, decoder_layers, text_config_key
 from .hf_moe import install_router_aux_loss
 from .hf_positions import slice_positions, text_positions
@@ -142,6 +149,7 @@ def parallelize_hf_model(
     if compile and isinstance(compile_backend, str):
         _check_compile_backend(compile_backend)
     check_backend(attn_backend)
+    check_backend_for_patterns(name, attn_backend, model_patterns(model.config.get_text_config(), attentions))
 
     # 1. Ulysses: transformers' attention dispatch -> our exchange + local attention.
     register_ulysses_attention()

@@ -27,9 +27,16 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..attention import check_backend, local_attention
+from ..attention import FEATURES, check_backend, local_attention
+from ..attention.select import SUPPORTS
 
-__all__ = ["ATTN_IMPLEMENTATION", "DOCUMENT_IDS_KWARG", "UlyssesCore", "ulysses_attention_forward"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "DOCUMENT_IDS_KWARG",
+    "UlyssesCore",
+    "check_backend_for_patterns",
+    "ulysses_attention_forward",
+]
 
 # The key in transformers' AttentionInterface (and config._attn_implementation).
 ATTN_IMPLEMENTATION = "ulysses_sp"
@@ -45,6 +52,34 @@ _REFUSED_KWARGS = {
     "cu_seq_lens_k": "transformers' own packed-sequence metadata (use shard_hf_batch's document ids)",
     "position_bias": "an additive position bias",
 }
+
+
+def model_patterns(text_config, attentions: list[nn.Module]) -> dict:
+    """The patterns a model's layers will pass to attention, read off its config
+    and attention modules: {feature: value}."""
+    found = {}
+    if getattr(text_config, "sliding_window", None) is not None:
+        found["window"] = text_config.sliding_window
+    if getattr(text_config, "attn_logit_softcapping", None) is not None:
+        found["softcap"] = text_config.attn_logit_softcapping
+    sinks = [a.sinks for a in attentions if isinstance(getattr(a, "sinks", None), nn.Parameter)]
+    if sinks:
+        found["sinks"] = f"a ({sinks[0].shape[0]},) parameter per layer"
+    return found
+
+
+def check_backend_for_patterns(name: str, backend: str, patterns: dict) -> None:
+    """Refuse, before anything runs, a named backend whose kernel cannot express a model's pattern."""
+    if backend == "auto":
+        return  # auto picks a kernel that can, per call
+    missing = [f for f in patterns if f not in SUPPORTS[backend]]
+    if missing:
+        able = [b for b in SUPPORTS if set(patterns) <= SUPPORTS[b]]
+        raise ValueError(
+            f"{name}: attention backend {backend!r} cannot apply {FEATURES[missing[0]]} "
+            f"({missing[0]}={patterns[missing[0]]}), which this model uses; backends that can: "
+            f"{', '.join(['auto', *able])}"
+        )
 
 
 class UlyssesCore(nn.Module):
