@@ -9,15 +9,14 @@ documents, soft-capping, sinks, MLA, MoE router losses, layers without rope,
 multimodal rope ids. The global batch is 4 rows of 29 tokens (29 is not a
 multiple of 2 or 4: every mesh pads) of packed documents (one row a single
 document); the compiled case trains on one document per row (plain causal,
-no document ids). The reference is transformers' own unsharded model run
-document by document, so it cannot attend across documents whatever
-transformers' own masking does; its documents are spread over the 4 ranks
-(each document runs alone in one process; gradients are a sum over documents,
-all-reduced), and its router loss is transformers' own
-``load_balancing_loss_func`` over the router logits of every document. Loss
-(relative error <= 1e-5) and every parameter's gradient (relative error of the
-norm <= 1e-4) must match; each pattern must change the reference (so a dropped
-one would fail); the collectives of each forward and backward are counted
+no document ids). The reference is transformers' own unsharded model (eager
+attention) run document by document in one process (every rank computes it),
+so it cannot attend across documents whatever transformers' own masking does;
+its router loss is transformers' own ``load_balancing_loss_func`` over the
+router logits of every document. Loss (relative error <= 1e-5) and every
+parameter's gradient (relative error of the norm <= 1e-4) must match; each
+pattern must change the reference (so a dropped one would fail); the
+collectives of each forward and backward are counted
 exactly. With ``ULYSSES_FAMILY_RESULTS=<dir>`` the worst errors per (family,
 mesh) are written to ``<dir>/hf_families.json`` (``scripts/family_table.py``
 turns the JSON files of that folder into the README table).
@@ -36,7 +35,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 # Checked without importing it: transformers costs seconds to import, which the
@@ -185,50 +183,34 @@ def _router_loss_fn(model):
     return importlib.import_module(cls.__module__).load_balancing_loss_func
 
 
-def reference(model, batch, family: str, rank: int, world: int, features_off=None) -> tuple[float, dict | None]:
-    """Token-mean next-token loss (+ the router loss), each document run alone.
+def reference(model, batch, family: str, backward: bool = True) -> tuple[float, dict | None]:
+    """Token-mean next-token loss (+ the router loss) of transformers' unsharded
+    model in this process, each document run alone; and every gradient.
 
-    Rank r runs documents r, r + world, ...; loss sums and gradients are summed
-    over ranks. The router loss is transformers' own function over the router
-    logits of every document (other ranks' as constants: their gradient comes
-    from their rank), so its value and its summed gradient are the whole batch's.
+    The router loss is transformers' own function over the router logits of
+    every document: the whole batch's tokens, as in one unsharded forward.
     """
     spec = FAMILIES[family]
     docs = documents(batch)
-    total, count, router = 0.0, 0, {}
-    for i, (r, a, b) in enumerate(docs):
-        if i % world != rank:
-            continue
+    total, router = 0.0, []
+    for r, a, b in docs:
         kwargs = {"output_router_logits": True} if spec.moe else {}
         out = model(input_ids=batch["input_ids"][r : r + 1, a:b], **kwargs)
         target = batch["labels"][r, a + 1 : b]
         total = total + F.cross_entropy(out.logits[0, :-1], target, ignore_index=IGNORE_INDEX, reduction="sum")
         if spec.moe:
-            router[i] = out.router_logits
+            router.append(out.router_logits)
     count = sum(int((batch["labels"][r, a + 1 : b] != IGNORE_INDEX).sum()) for r, a, b in docs)
-    loss = total / count  # this rank's documents' part of the token mean
-    value = torch.tensor([loss.item()], dtype=torch.float64)
-    dist.all_reduce(value)
+    loss = total / count
     if spec.moe:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, {i: [t.detach() for t in v] for i, v in router.items()})
-        every = {i: v for part in gathered for i, v in part.items()}
-        every.update(router)  # this rank's own, with their graph
-        layers = zip(*(every[i] for i in range(len(docs))))
-        logits = tuple(torch.cat(per_layer) for per_layer in layers)
+        logits = tuple(torch.cat(per_layer) for per_layer in zip(*router))
         aux = _router_loss_fn(model)(logits, model.num_experts, model.num_experts_per_tok)
-        # The same value on every rank (counted once); each backpropagates it through its documents.
         loss = loss + model.router_aux_loss_coef * aux
-        value += model.router_aux_loss_coef * aux.item()
-    if features_off:
-        return value.item(), None
+    if not backward:
+        return loss.item(), None
     loss.backward()
-    grads = {}
-    for n, p in model.named_parameters():
-        g = torch.zeros_like(p) if p.grad is None else p.grad
-        dist.all_reduce(g)
-        grads[n] = g.clone()
-    return value.item(), grads
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), grads
 
 
 def build_pmesh(world: int, dims: tuple) -> tuple[ParallelMesh, int]:
@@ -359,7 +341,7 @@ def _parity_worker(rank: int, world: int) -> list[dict]:
                 if name == "unpacked" and not compiled:
                     continue
                 ref = make_model(family)
-                refs[name] = reference(ref, batch, family, rank, world)
+                refs[name] = reference(ref, batch, family)
             for pattern, overrides in spec.off.items():
                 # Each pattern changes the numbers (by 10x the loss tolerance at least):
                 # a backend dropping it would fail the parity.
@@ -369,7 +351,7 @@ def _parity_worker(rank: int, world: int) -> list[dict]:
                         for layer in off.model.layers:
                             layer.self_attn.sinks.fill_(float("-inf"))  # exp(-inf) = 0: no sink
                 with torch.no_grad():
-                    off_loss, _ = reference(off, packed, family, rank, world, features_off=True)
+                    off_loss, _ = reference(off, packed, family, backward=False)
                 on_loss = refs["packed"][0]
                 assert abs(off_loss - on_loss) > 10 * LOSS_RTOL * abs(on_loss), (family, pattern, off_loss, on_loss)
             for i, dims in enumerate(spec.meshes):
