@@ -16,10 +16,10 @@ its router loss is transformers' own ``load_balancing_loss_func`` over the
 router logits of every document. Loss (relative error <= 1e-5) and every
 parameter's gradient (relative error of the norm <= 1e-4) must match; each
 pattern must change the reference (so a dropped one would fail); the
-collectives of each forward and backward are counted
-exactly. With ``ULYSSES_FAMILY_RESULTS=<dir>`` the worst errors per (family,
-mesh) are written to ``<dir>/hf_families.json`` (``scripts/family_table.py``
-turns the JSON files of that folder into the README table).
+collectives of each forward and backward are counted exactly. With
+``ULYSSES_FAMILY_RESULTS=<dir>`` the worst errors per (family, mesh) are
+written to ``<dir>/hf_families.json`` (``scripts/family_table.py`` turns the
+JSON files of that folder into the README table).
 """
 
 from __future__ import annotations
