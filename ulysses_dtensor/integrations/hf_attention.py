@@ -35,6 +35,7 @@ __all__ = [
     "DOCUMENT_IDS_KWARG",
     "UlyssesCore",
     "check_backend_for_patterns",
+    "model_patterns",
     "ulysses_attention_forward",
 ]
 
