@@ -16,6 +16,7 @@ import torch
 
 from ulysses_dtensor import attention as A
 from ulysses_dtensor import documents as D
+from ulysses_dtensor.attention import packed as P
 from ulysses_dtensor.attention import (
     BACKENDS,
     LocalAttention,
@@ -34,8 +35,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --------------------------------------------------------------------------- #
 
 
-def reference_attention(q, k, v, causal=True, document_ids=None, scale=None):
-    """softmax(Q K^T * scale + mask) V in float64, kv heads repeated; (B, S, H, D) layout."""
+def reference_attention(q, k, v, causal=True, document_ids=None, scale=None, window=None, softcap=None, sinks=None):
+    """softmax(cap(Q K^T * scale) + mask [, sink]) V in float64, kv heads repeated; (B, S, H, D) layout.
+
+    Written from transformers' eager paths: window W keeps keys j with i - j < W
+    (``sliding_window_overlay``), soft-capping after scaling (Gemma2), a sink
+    logit per head joining the softmax and then dropped (gpt-oss).
+    """
     b, s, hq, d = q.shape
     rep = hq // k.shape[2]
     q64, k64, v64 = q.double(), k.double(), v.double()
@@ -43,19 +49,28 @@ def reference_attention(q, k, v, causal=True, document_ids=None, scale=None):
     v64 = v64.repeat_interleave(rep, dim=2)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     scores = torch.einsum("bihd,bjhd->bhij", q64, k64) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     allowed = torch.ones(b, 1, s, s, dtype=torch.bool, device=q.device)
+    i = torch.arange(s, device=q.device)
     if causal:
-        allowed &= torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        allowed &= i[None, :] <= i[:, None]
+    if window is not None:
+        allowed &= i[None, :] > i[:, None] - window
     if document_ids is not None:
         allowed &= (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = scores.softmax(dim=-1)
+    if sinks is not None:
+        sink = sinks.double().view(1, hq, 1, 1).expand(b, hq, s, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
     return torch.einsum("bhij,bjhd->bihd", probs, v64)
 
 
-def make_qkv(b, s, hq, hkv, d, dtype=torch.float32, device="cpu", seed=0, requires_grad=True):
+def make_qkv(b, s, hq, hkv, d, dtype=torch.float32, device="cpu", seed=0, requires_grad=True, dv=None):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    shapes = [(b, s, hq, d), (b, s, hkv, d), (b, s, hkv, d)]
+    shapes = [(b, s, hq, d), (b, s, hkv, d), (b, s, hkv, d if dv is None else dv)]
     ts = [torch.randn(sh, generator=g).to(device=device, dtype=dtype) for sh in shapes]
     for t in ts:
         t.requires_grad_(requires_grad)
@@ -74,14 +89,15 @@ def docs_from_lengths(rows):
 DOC_LENGTHS = [[5, 11, 16], [20, 1, 3, 8]]
 
 
-def grads_vs_reference(q, k, v, out, ref, atol, rtol):
-    """Backprop the same random cotangent through both and compare q/k/v grads."""
+def grads_vs_reference(q, k, v, out, ref, atol, rtol, extra=()):
+    """Backprop the same random cotangent through both and compare q/k/v (and ``extra``) grads."""
     g = torch.Generator(device="cpu").manual_seed(123)
     cot = torch.randn(out.shape, generator=g).to(out.device)
-    (dq, dk, dv) = torch.autograd.grad((out.float() * cot).sum(), (q, k, v))
-    (rq, rk, rv) = torch.autograd.grad((ref * cot.double()).sum(), (q, k, v))
-    for name, got, want in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
-        torch.testing.assert_close(got.double(), want.double(), atol=atol, rtol=rtol, msg=name)
+    inputs = (q, k, v, *extra)
+    got = torch.autograd.grad((out.float() * cot).sum(), inputs)
+    want = torch.autograd.grad((ref * cot.double()).sum(), inputs)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol, msg=name)
 
 
 # --------------------------------------------------------------------------- #
@@ -347,7 +363,7 @@ def test_check_backend_suggests_nearest():
         (((2, 8, 4, 16), (2, 8, 3, 16), (2, 8, 3, 16)), None, r"query heads \(4\) .* key/value heads \(3\)"),
         (((2, 8, 4, 16), (2, 9, 2, 16), (2, 9, 2, 16)), None, "batch, seq and head_dim"),
         (((2, 8, 4, 16), (2, 8, 2, 8), (2, 8, 2, 8)), None, "batch, seq and head_dim"),
-        (((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 1, 16)), None, "k and v must have the same shape"),
+        (((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 1, 16)), None, "k and v must agree in batch, seq and heads"),
         (((2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16)), (2, 7), r"document_ids must have shape \(batch, seq\) = \(2, 8\); got \(2, 7\)"),
     ],
 )
@@ -381,13 +397,21 @@ def test_repeat_kv_grouping_matches_sdpa_gqa():
 # flattening, document cuts, causal flag and GQA handling around them are tested.
 
 
-def _per_segment_reference(q, k, v, cu, max_len, causal, scale):
+def _per_segment_reference(q, k, v, cu, max_len, causal, scale, window_size=(-1, -1), softcap=None):
     assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == q.shape[0]
+    # The real kernels take one head dim for q, k and v.
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1], (q.shape, k.shape, v.shape)
     lengths = (cu[1:] - cu[:-1]).tolist()
     assert max(lengths) <= max_len
+    # FlashAttention's (left, right) window: key j visible to query i iff
+    # i - left <= j <= i + right (-1: unbounded). Causal kernels use right = 0.
+    left, right = window_size
+    assert right in (-1, 0) and (right == -1 or causal or left == -1)
+    window = None if left < 0 else left + 1
     pieces = []
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        pieces.append(reference_attention(q[None, a:b], k[None, a:b], v[None, a:b], causal, None, scale)[0])
+        pieces.append(reference_attention(q[None, a:b], k[None, a:b], v[None, a:b], causal, None, scale,
+                                          window=window, softcap=softcap)[0])
     return torch.cat(pieces).to(q.dtype)
 
 
@@ -395,9 +419,9 @@ def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, ret
                      scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None,
                      block_table=None, num_splits=None):
     assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
-    assert tuple(window_size) in ((-1, 0), (-1, -1))
     assert enable_gqa or query.shape[1] == key.shape[1]
-    return _per_segment_reference(query, key, value, cu_seq_q, max_q, tuple(window_size) == (-1, 0), scale)
+    causal = tuple(window_size)[1] == 0
+    return _per_segment_reference(query, key, value, cu_seq_q, max_q, causal, scale, tuple(window_size))
 
 
 def _fake_flash_module():
@@ -405,13 +429,19 @@ def _fake_flash_module():
 
     mod = types.ModuleType("flash_attn")
 
-    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        softcap=0.0):
         assert dropout_p == 0.0
-        return reference_attention(q, k, v, causal, None, softmax_scale).to(q.dtype)
+        b = q.shape[0]
+        cu = torch.arange(0, (b + 1) * q.shape[1], q.shape[1], dtype=torch.int32)
+        flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+        out = _per_segment_reference(*flat, cu, q.shape[1], causal, softmax_scale, window_size, softcap or None)
+        return out.reshape(*q.shape[:3], -1)
 
-    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0):
         assert torch.equal(cu_q, cu_k) and max_q == max_k and dropout_p == 0.0
-        return _per_segment_reference(q, k, v, cu_q, max_q, causal, softmax_scale)
+        return _per_segment_reference(q, k, v, cu_q, max_q, causal, softmax_scale, window_size, softcap or None)
 
     mod.flash_attn_func = flash_attn_func
     mod.flash_attn_varlen_func = flash_attn_varlen_func
@@ -420,8 +450,8 @@ def _fake_flash_module():
 
 @pytest.fixture
 def cuda_checks_off(monkeypatch):
-    monkeypatch.setattr(A, "_require_cuda", lambda backend, q: None)
-    monkeypatch.setattr(A, "_require_half", lambda backend, q: None)
+    monkeypatch.setattr(P, "_require_cuda", lambda backend, q: None)
+    monkeypatch.setattr(P, "_require_half", lambda backend, q: None)
     import torch.nn.attention.varlen as varlen_mod
 
     monkeypatch.setattr(varlen_mod, "varlen_attn", fake_varlen_attn)
@@ -502,3 +532,4 @@ def test_gpu_default_backend():
         expect = "varlen" if A._has_varlen() else "sdpa"
     assert default_backend("cuda", torch.bfloat16) == expect
     assert default_backend("cuda", torch.float32) == "sdpa"
+

@@ -1,15 +1,25 @@
 """Ulysses SP + FSDP2 on unmodified transformers models equals the model unsharded.
 
-One 4-rank task runs every family (tiny random Llama with GQA, Qwen3 with MQA,
-q/k norms and tied embeddings, Mistral with MHA and a sliding window longer
-than the sequence) on sp 2 (two independent replicas), sp 4 and dp 2 x sp 2
-(FSDP over dp_shard x sp, or HSDP for Qwen3). Each case trains on two global
-batches of 29 tokens per row (29 is not a multiple of 2 or 4: every mesh
-pads): one of packed documents, one of a single document per row (the
-compiled case: the first only). The reference is the same model in one
-process, run document by document, so it cannot attend across documents
-whatever transformers' own masking does; loss and every parameter's gradient
-must match. The same task counts the collectives of each forward and backward.
+Every family ``parallelize_hf_model`` knows (``hf_families.KNOWN_MODEL_TYPES``)
+runs in ONE pooled 4-rank task on sp 2 (two independent replicas), sp 4 and
+dp_shard 2 x sp 2 (FSDP over dp_shard x sp), plus HSDP for Qwen3: tiny random
+configs (1-2 layers, hidden 32, 4 heads, vocab 64) in fp32, each family's
+pattern switched on where it has one -- a sliding window (4) shorter than the
+documents, soft-capping, sinks, MLA, MoE router losses, layers without rope,
+multimodal rope ids. The global batch is 4 rows of 29 tokens (29 is not a
+multiple of 2 or 4: every mesh pads) of packed documents (one row a single
+document); the compiled case trains on one document per row (plain causal,
+no document ids). The reference is transformers' own unsharded model (eager
+attention) run document by document in one process (every rank computes it),
+so it cannot attend across documents whatever transformers' own masking does;
+its router loss is transformers' own ``load_balancing_loss_func`` over the
+router logits of every document. Loss (relative error <= 1e-5) and every
+parameter's gradient (relative error of the norm <= 1e-4) must match; each
+pattern must change the reference (so a dropped one would fail); the
+collectives of each forward and backward are counted exactly. With
+``ULYSSES_FAMILY_RESULTS=<dir>`` the worst errors per (family, mesh) are
+written to ``<dir>/hf_families.json`` (``scripts/family_table.py`` turns the
+JSON files of that folder into the README table).
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import copy
 import importlib.util
 import json
 import math
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,50 +51,111 @@ from ulysses_dtensor.loss import IGNORE_INDEX, count_valid_tokens, global_loss, 
 from ulysses_dtensor.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMesh  # noqa: E402
 from ulysses_dtensor.ulysses import exchange_bytes_per_rank  # noqa: E402
 
-VOCAB, SEQ, ROWS, LAYERS, HEADS = 64, 29, 4, 2, 4
+VOCAB, SEQ, ROWS, HEADS, WINDOW = 64, 29, 4, 4, 4
+DOC_STARTS = [[0, 11], [0], [0, 5, 17], [0, 23]]  # document starts per row; shortest document: 5 > WINDOW
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-    num_attention_heads=HEADS, max_position_embeddings=64, attention_dropout=0.0,
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=HEADS,
+    max_position_embeddings=64, attention_dropout=0.0, initializer_range=0.1,
 )
+MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.1)
+SLIDING_FULL = ["sliding_attention", "full_attention"]
+
+
+@dataclass
+class Family:
+    config: str  # transformers config class
+    extra: dict
+    layers: int = 1
+    features: tuple = ()  # README columns: window, softcap, sinks, mla, moe, vl_rope
+    off: dict = field(default_factory=dict)  # per pattern, config overrides that switch it off ("sinks": -inf sinks)
+    moe: bool = False  # transformers computes a router loss (output_router_logits=True)
+    model: str | None = None  # model class, when not AutoModelForCausalLM's
+    meshes: tuple = ((1, 1, 2), (1, 1, 4), (1, 2, 2))
+    options: list = field(default_factory=list)  # per mesh, parallelize_hf_model options
+
+
 FAMILIES = {
-    "llama": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False)),
-    "qwen3": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", dict(num_key_value_heads=4, sliding_window=32, tie_word_embeddings=False)),
+    "llama": Family("LlamaConfig", dict(num_key_value_heads=2), options=[{}, {"pack_qkv": True}, {"ac_mode": "full"}]),
+    "qwen2": Family("Qwen2Config", dict(num_key_value_heads=2), options=[{"pack_qkv": True}, {}, {}]),
+    "qwen3": Family("Qwen3Config", dict(num_key_value_heads=1, head_dim=8, tie_word_embeddings=True),
+                    meshes=((1, 1, 2), (1, 1, 4), (1, 2, 2), (2, 1, 2)), options=[{"ac_mode": "selective"}]),
+    "mistral": Family("MistralConfig", dict(num_key_value_heads=4, sliding_window=WINDOW), layers=2,
+                      features=("window",), off={"window": dict(sliding_window=None)},
+                      # Compiled (aot_eager: the graphs and autograd of inductor without C++
+                      # codegen) on one replica only: compiling costs seconds of CPU per rank.
+                      options=[{"ac_mode": "full", "compile": True, "compile_backend": "aot_eager"}, {},
+                               {"pack_qkv": True}]),
+    "gemma2": Family("Gemma2Config", dict(num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
+                                          query_pre_attn_scalar=16, attn_logit_softcapping=0.5,
+                                          layer_types=SLIDING_FULL), layers=2,
+                     features=("window", "softcap"),
+                     off={"window": dict(sliding_window=64), "softcap": dict(attn_logit_softcapping=None)}),
+    "gemma3": Family("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
+                                              layer_types=SLIDING_FULL), layers=2,
+                     features=("window",), off={"window": dict(sliding_window=64)}, options=[{}, {"ac_mode": "full"}]),
+    "cohere2": Family("Cohere2Config", dict(num_key_value_heads=2, sliding_window=WINDOW, layer_types=SLIDING_FULL,
+                                            logit_scale=1.0),
+                      layers=2, features=("window",), off={"window": dict(sliding_window=64)}),
+    "gpt_oss": Family("GptOssConfig", dict(num_key_value_heads=2, head_dim=8, sliding_window=WINDOW,
+                                           layer_types=SLIDING_FULL, num_local_experts=4, **MOE,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                      layers=2, features=("window", "sinks", "moe"), off={"window": dict(sliding_window=64), "sinks": {}},
+                      moe=True,
+                      options=[{}, {"pack_qkv": True}, {}]),
+    "qwen3_moe": Family("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=8, num_experts=4,
+                                               moe_intermediate_size=32, **MOE),
+                        features=("moe",), moe=True),
+    "mixtral": Family("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, **MOE),
+                      features=("moe",), moe=True, options=[{"ac_mode": "full"}]),
+    "deepseek_v3": Family("DeepseekV3Config", dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                                                   qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                                   n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                                   moe_intermediate_size=32, first_k_dense_replace=0),
+                          features=("mla", "moe"), options=[{}, {"pack_qkv": True}]),
+    "phi3": Family("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0)),
+    "olmo2": Family("Olmo2Config", dict(num_key_value_heads=2), options=[{"pack_qkv": True}]),
+    "glm4": Family("Glm4Config", dict(num_key_value_heads=2, head_dim=8, pad_token_id=0)),
+    "granite": Family("GraniteConfig", dict(num_key_value_heads=2, attention_multiplier=0.2)),
+    "smollm3": Family("SmolLM3Config", dict(num_key_value_heads=2, pad_token_id=0, no_rope_layers=[1, 0]), layers=2,
+                      off={"no rope": dict(no_rope_layers=[1, 1])}),
+    "qwen2_5_vl": Family("Qwen2_5_VLConfig", dict(num_key_value_heads=2), features=("vl_rope",),
+                         model="Qwen2_5_VLForConditionalGeneration"),
 }
-# (family, (dp_replicate, dp_shard, sp), options): each family on each mesh; the
-# options spread AC, packed exchange and compile over the cases.
-CASES = [
-    ("llama", (1, 1, 2), {}),
-    ("llama", (1, 1, 4), {"pack_qkv": True}),
-    ("llama", (1, 2, 2), {"ac_mode": "full"}),
-    ("qwen3", (1, 1, 2), {"ac_mode": "selective"}),
-    ("qwen3", (1, 1, 4), {}),
-    ("qwen3", (2, 1, 2), {}),
-    # Compiled (aot_eager: the graphs and autograd of inductor without C++
-    # codegen) on one replica only: compiling costs seconds of CPU per rank.
-    ("mistral", (1, 1, 2), {"ac_mode": "full", "compile": True, "compile_backend": "aot_eager"}),
-    ("mistral", (1, 1, 4), {}),
-    ("mistral", (1, 2, 2), {"pack_qkv": True}),
-]
-LOSS_RTOL = 1e-5
-GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
 
 def make_model(family: str, **overrides):
     import transformers
 
-    cls_name, extra = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
+    spec = FAMILIES[family]
+    kwargs = {**COMMON, **spec.extra, "num_hidden_layers": spec.layers, **overrides}
+    if spec.config == "Qwen2_5_VLConfig":
+        kwargs["rope_parameters"] = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+        vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2,
+                      temporal_patch_size=1, window_size=4, fullatt_block_indexes=[0], spatial_merge_size=1)
+        config = transformers.Qwen2_5_VLConfig(text_config=kwargs, vision_config=vision, image_token_id=60,
+                                               video_token_id=61, vision_start_token_id=62)
+    else:
+        config = getattr(transformers, spec.config)(**kwargs)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    # transformers' own eager attention: the reference implementation of every
+    # pattern (its sdpa path would drop gpt-oss's sinks, and Gemma2 has none).
+    if spec.model is not None:
+        model = getattr(transformers, spec.model)._from_config(config, attn_implementation="eager")
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if family == "gpt_oss":
+        with torch.no_grad():  # sinks of either sign, large enough to matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
 
 
 def global_batches() -> list[dict]:
     """Two global batches: packed documents, and one document per row."""
     g = torch.Generator().manual_seed(7)
-    starts = [[0, 11], [0], [0, 5, 17], [0, 23]]  # document starts per row
     pos = torch.zeros(ROWS, SEQ, dtype=torch.long)
-    for r, row in enumerate(starts):
+    for r, row in enumerate(DOC_STARTS):
         for a, b in zip(row, row[1:] + [SEQ]):
             pos[r, a:b] = torch.arange(b - a)
     out = []
@@ -94,18 +167,50 @@ def global_batches() -> list[dict]:
     return out
 
 
-def reference(model, batch) -> torch.Tensor:
-    """Token-mean next-token loss, each document run through the model on its own."""
-    total, count = 0.0, 0
+def documents(batch) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document of the batch."""
+    out = []
     for r in range(ROWS):
         pos = batch["position_ids"][r].tolist()
         starts = [t for t in range(SEQ) if pos[t] == 0] + [SEQ]
-        for a, b in zip(starts, starts[1:]):
-            logits = model(input_ids=batch["input_ids"][r : r + 1, a:b]).logits[0]
-            target = batch["labels"][r, a + 1 : b]
-            total = total + F.cross_entropy(logits[:-1], target, ignore_index=IGNORE_INDEX, reduction="sum")
-            count += int((target != IGNORE_INDEX).sum())
-    return total / count
+        out += [(r, a, b) for a, b in zip(starts, starts[1:])]
+    return out
+
+
+def _router_loss_fn(model):
+    """transformers' own load_balancing_loss_func of the model's family (FSDP subclasses the model)."""
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers.models."))
+    return importlib.import_module(cls.__module__).load_balancing_loss_func
+
+
+def reference(model, batch, family: str, backward: bool = True) -> tuple[float, dict | None]:
+    """Token-mean next-token loss (+ the router loss) of transformers' unsharded
+    model in this process, each document run alone; and every gradient.
+
+    The router loss is transformers' own function over the router logits of
+    every document: the whole batch's tokens, as in one unsharded forward.
+    """
+    spec = FAMILIES[family]
+    docs = documents(batch)
+    total, router = 0.0, []
+    for r, a, b in docs:
+        kwargs = {"output_router_logits": True} if spec.moe else {}
+        out = model(input_ids=batch["input_ids"][r : r + 1, a:b], **kwargs)
+        target = batch["labels"][r, a + 1 : b]
+        total = total + F.cross_entropy(out.logits[0, :-1], target, ignore_index=IGNORE_INDEX, reduction="sum")
+        if spec.moe:
+            router.append(out.router_logits)
+    count = sum(int((batch["labels"][r, a + 1 : b] != IGNORE_INDEX).sum()) for r, a, b in docs)
+    loss = total / count
+    if spec.moe:
+        logits = tuple(torch.cat(per_layer) for per_layer in zip(*router))
+        aux = _router_loss_fn(model)(logits, model.num_experts, model.num_experts_per_tok)
+        loss = loss + model.router_aux_loss_coef * aux
+    if not backward:
+        return loss.item(), None
+    loss.backward()
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), grads
 
 
 def build_pmesh(world: int, dims: tuple) -> tuple[ParallelMesh, int]:
@@ -130,86 +235,163 @@ class registry_restored:
         AttentionInterface._global_mapping.update(self.saved)
 
 
-def _parity_worker(rank: int, world: int) -> list[dict]:
+def attention_dims(config) -> tuple[int, int, int, int]:
+    """(heads, kv heads as exchanged, q/k head dim, v head dim) of a text config."""
+    heads = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None):  # MLA: one k and v per head
+        return heads, heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, config.num_key_value_heads, d, d
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.norm().item()
+    diff = (got - want).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _run_case(family, dims, opts, batch, ref_loss, ref_grads, world):
     from ulysses_dtensor.integrations.hf import parallelize_hf_model, shard_hf_batch
 
-    batches = global_batches()
-    refs, results = {}, []
+    spec = FAMILIES[family]
+    model = make_model(family)
+    pmesh, replica = build_pmesh(world, dims)
+    shown = dict(opts)
+    counter = None
+    if opts.get("compile"):
+        if replica:
+            return None
+        # Counts the frames compiled: one graph serves every layer.
+        counter = CompileCounterWithBackend(opts["compile_backend"])
+        opts = {**opts, "compile_backend": counter}
+    parallelize_hf_model(model, pmesh, attn_backend="sdpa", **opts)
+    rows = ROWS // pmesh.dims.dp
+    mine = slice(pmesh.dp_rank * rows, (pmesh.dp_rank + 1) * rows)
+    local_batch = {k: v[mine] for k, v in batch.items()}
+    if spec.features and "vl_rope" in spec.features:
+        local_batch["position_ids"] = local_batch["position_ids"].expand(3, -1, -1)  # (3, B, S) multimodal ids
+    inputs, labels = shard_hf_batch(local_batch, pmesh.sp)
+    n = count_valid_tokens(labels, pmesh.loss)
+    kwargs = {"output_router_logits": True} if spec.moe else {}
+    with CollectiveCounter() as fwd:
+        out = model(**inputs, **kwargs)
+    loss = sp_cross_entropy(out.logits, labels, num_valid_tokens=n)
+    if spec.moe:
+        loss = loss + model.router_aux_loss_coef * out.aux_loss
+        # transformers' own value on this slice is not the batch's: the reduction matters.
+        own = _router_loss_fn(model)(out.router_logits, model.num_experts, model.num_experts_per_tok)
+        assert abs(own.item() - global_loss(out.aux_loss.detach(), pmesh.loss).item()) > 1e-4, family
+    value = global_loss(loss.detach(), pmesh.loss).item()
+    if not opts:
+        # transformers' own loss with pre-shifted labels and the global count (+ the router share).
+        with torch.no_grad():
+            hf = model(**inputs, **kwargs, labels=labels, shift_labels=labels, num_items_in_batch=n).loss
+        torch.testing.assert_close(hf, loss.detach(), rtol=1e-6, atol=1e-7)
+    with CollectiveCounter() as bwd:
+        loss.backward()
+
+    heads, kv, d, dv = attention_dims(model.config.get_text_config())
+    padded = -(-SEQ // dims[2]) * dims[2]
+    a2a = (2 if opts.get("pack_qkv") else 4) * spec.layers
+    want_fwd = {"all_to_all_single": a2a}
+    if spec.moe:
+        want_fwd["all_reduce"] = 1  # the router loss's expert counts over every rank
+    assert fwd.counts() == want_fwd, (family, dims, fwd.counts())
+    # Full AC replays the exchange in backward; selective AC saves its outputs.
+    replay = 2 if opts.get("ac_mode") == "full" else 1
+    assert bwd.counts() == {"all_to_all_single": a2a * replay}, (family, dims, bwd.counts())
+    want_bytes = spec.layers * exchange_bytes_per_rank(rows, padded, heads, kv, d, dims[2], 4, backward=False,
+                                                       v_head_dim=dv)
+    assert fwd.sent_bytes("all_to_all_single") == want_bytes, (family, dims, fwd.sent_bytes(), want_bytes)
+
+    loss_rel = abs(value - ref_loss) / abs(ref_loss)
+    grad_rel, compared = 0.0, 0
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        assert p.grad is not None or not ref_grads[name].any(), (family, dims, name)
+        rel = 0.0 if p.grad is None else _rel(p.grad.full_tensor(), ref_grads[name])
+        assert rel <= GRAD_RTOL, (family, dims, shown, name, rel)
+        grad_rel = max(grad_rel, rel)
+        compared += 1
+    assert compared == len(ref_grads), (family, compared, sorted(ref_grads))
+    assert loss_rel <= LOSS_RTOL, (family, dims, value, ref_loss)
+    if counter is not None:
+        # fullgraph=True (transformers marks these models compilable), and
+        # one graph serves both layers (no recompile per layer index).
+        assert counter.frame_count == 1, counter.frame_count
+    if "vl_rope" in spec.features:
+        # The vision tower attends bidirectionally: left unwrapped, on its own implementation.
+        vision = [m for m in model.model.visual.modules() if type(m).__name__.endswith("Attention")]
+        assert vision and not any(hasattr(m, "ulysses") for m in vision)
+        assert model.config.vision_config._attn_implementation == "eager"
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers.models."))
+    return dict(family=family, model_class=cls.__name__, model_type=model.config.model_type, dims=list(dims),
+                opts=shown, loss_rel=loss_rel,
+                grad_rel=grad_rel, counts={"forward": fwd.counts(), "backward": bwd.counts()})
+
+
+def _parity_worker(rank: int, world: int) -> list[dict]:
+    packed, unpacked = global_batches()
+    results = []
     with registry_restored():
-        for family, dims, opts in CASES:
-            model = make_model(family)
-            if family not in refs:
-                ref = copy.deepcopy(model)
-                refs[family] = []
-                for b in batches:  # gradients per batch: the compiled case trains on one
-                    ref.zero_grad()
-                    loss = reference(ref, b)
-                    loss.backward()
-                    refs[family].append((loss.item(), {n: p.grad.clone() for n, p in ref.named_parameters()}))
-            # Compiled: the packed batch only (each batch kind compiles its own graph).
-            used = refs[family][:1] if opts.get("compile") else refs[family]
-            ref_losses = [loss for loss, _ in used]
-            ref_grads = {n: sum(g[n] for _, g in used) for n in used[0][1]}
-
-            pmesh, replica = build_pmesh(world, dims)
-            shown = opts
-            if opts.get("compile"):
-                if replica:
+        for family, spec in FAMILIES.items():
+            compiled = any(o.get("compile") for o in spec.options)
+            refs = {}
+            for name, batch in (("packed", packed), ("unpacked", unpacked)):
+                if name == "unpacked" and not compiled:
                     continue
-                # Counts the frames compiled: one graph serves every layer.
-                counter = CompileCounterWithBackend(opts["compile_backend"])
-                opts = {**opts, "compile_backend": counter}
-            parallelize_hf_model(model, pmesh, attn_backend="sdpa", **opts)
-            dp, rows = pmesh.dims.dp, ROWS // pmesh.dims.dp
-            mine = slice(pmesh.dp_rank * rows, (pmesh.dp_rank + 1) * rows)
-            total, losses, counts = 0, [], {}
-            for i, b in enumerate(batches[: len(used)]):
-                inputs, labels = shard_hf_batch({k: v[mine] for k, v in b.items()}, pmesh.sp)
-                n = count_valid_tokens(labels, pmesh.loss)
-                with CollectiveCounter() as fwd:
-                    logits = model(**inputs).logits
-                loss = sp_cross_entropy(logits, labels, num_valid_tokens=n)
-                total = total + loss
-                losses.append(global_loss(loss, pmesh.loss).item())
-                if i == 0:
-                    counts["forward"], counts["forward_bytes"] = fwd.counts(), fwd.sent_bytes()
-                    if not opts:
-                        # transformers' own loss with pre-shifted labels and the global count.
-                        with torch.no_grad():
-                            hf = model(**inputs, labels=labels, shift_labels=labels, num_items_in_batch=n).loss
-                        torch.testing.assert_close(hf, loss.detach(), rtol=1e-6, atol=0)
-            with CollectiveCounter() as bwd:
-                total.backward()
-            counts["backward"] = bwd.counts()
-
-            cfg = model.config
-            kv, head_dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // HEADS
-            padded = -(-SEQ // dims[2]) * dims[2]
-            a2a = (2 if opts.get("pack_qkv") else 4) * LAYERS
-            assert counts["forward"] == {"all_to_all_single": a2a}, (family, dims, counts)
-            # Full AC replays the exchange in backward; selective AC saves its outputs.
-            replay = 2 if opts.get("ac_mode") == "full" else 1
-            assert counts["backward"] == {"all_to_all_single": a2a * len(used) * replay}, (family, dims, counts)
-            want_bytes = LAYERS * exchange_bytes_per_rank(rows, padded, HEADS, kv, head_dim, dims[2], 4, backward=False)
-            assert counts["forward_bytes"] == want_bytes, (family, dims, counts, want_bytes)
-
-            loss_rel = max(abs(g - r) / abs(r) for g, r in zip(losses, ref_losses))
-            grad_abs, compared = 0.0, 0
-            for name, p in model.named_parameters():
-                name = name.replace("_checkpoint_wrapped_module.", "")
-                full = p.grad.full_tensor()
-                torch.testing.assert_close(full, ref_grads[name], **GRAD_TOL, msg=f"{family} {dims} {opts} {name}")
-                grad_abs = max(grad_abs, (full - ref_grads[name]).abs().max().item())
-                compared += 1
-            assert compared == len(ref_grads), (family, compared, sorted(ref_grads))
-            assert loss_rel < LOSS_RTOL, (family, dims, losses, ref_losses)
-            if opts.get("compile"):
-                # fullgraph=True (transformers marks these models compilable), and
-                # one graph serves both layers (no recompile per layer index).
-                assert counter.frame_count == 1, counter.frame_count
-            results.append(dict(family=family, dims=dims, opts=shown, loss=losses, loss_rel=loss_rel,
-                                grad_abs=grad_abs, dp=dp, counts=counts))
+                ref = make_model(family)
+                refs[name] = reference(ref, batch, family)
+            for pattern, overrides in spec.off.items():
+                # Each pattern changes the numbers (by 10x the loss tolerance at least):
+                # a backend dropping it would fail the parity.
+                off = make_model(family, **overrides)
+                if pattern == "sinks":
+                    with torch.no_grad():
+                        for layer in off.model.layers:
+                            layer.self_attn.sinks.fill_(float("-inf"))  # exp(-inf) = 0: no sink
+                with torch.no_grad():
+                    off_loss, _ = reference(off, packed, family, backward=False)
+                on_loss = refs["packed"][0]
+                assert abs(off_loss - on_loss) > 10 * LOSS_RTOL * abs(on_loss), (family, pattern, off_loss, on_loss)
+            for i, dims in enumerate(spec.meshes):
+                opts = spec.options[i] if i < len(spec.options) else {}
+                name = "unpacked" if opts.get("compile") else "packed"
+                r = _run_case(family, dims, opts, packed if name == "packed" else unpacked, *refs[name], world)
+                if r is not None:
+                    results.append(r)
     return results
+
+
+def test_hf_families_match_unsharded_on_every_mesh():
+    results = run_ranks(4, _parity_worker)
+    mine = results[0]
+    for r in mine:
+        print(f"{r['family']:12s} dims={tuple(r['dims'])} {r['opts']}: loss rel {r['loss_rel']:.1e}, "
+              f"grad rel {r['grad_rel']:.1e}, fwd {r['counts']['forward']} bwd {r['counts']['backward']}")
+    want = {(f, tuple(d)) for f, spec in FAMILIES.items() for d in spec.meshes}
+    assert {(r["family"], tuple(r["dims"])) for r in mine} == want
+    out = os.environ.get("ULYSSES_FAMILY_RESULTS")
+    if out:
+        write_results(Path(out) / "hf_families.json", [x for per_rank in results for x in per_rank])
+
+
+def write_results(path: Path, results: list[dict]) -> None:
+    """Worst loss / gradient error per (family, mesh) over every rank, with each family's patterns."""
+    from ulysses_dtensor.integrations.hf_families import KNOWN_MODEL_TYPES
+
+    worst, seen = {}, {}
+    for r in results:
+        key = (r["family"], tuple(r["dims"]))
+        w = worst.setdefault(key, {"loss_rel": 0.0, "grad_rel": 0.0})
+        w["loss_rel"], w["grad_rel"] = max(w["loss_rel"], r["loss_rel"]), max(w["grad_rel"], r["grad_rel"])
+        seen[r["family"]] = r
+    families = {f: {"model_class": seen[f]["model_class"], "model_type": seen[f]["model_type"],
+                    "features": list(spec.features), "layers": spec.layers,
+                    "covers": KNOWN_MODEL_TYPES.get(seen[f]["model_type"], "")}
+                for f, spec in FAMILIES.items()}
+    rows = [{"family": f, "dims": list(d), **w} for (f, d), w in sorted(worst.items())]
+    path.write_text(json.dumps({"families": families, "results": rows}, indent=1) + "\n")
 
 
 def _raises(fn, *words) -> str:
@@ -251,6 +433,22 @@ def _errors_worker(rank: int, world: int) -> list[str]:
         lfm = transformers.Lfm2Config(**{**tiny, "num_hidden_layers": 2}, num_attention_heads=4,
                                       num_key_value_heads=2, layer_types=["conv", "full_attention"])
         refuse(auto.from_config(lfm), 2, "Lfm2ForCausalLM", "'conv'")
+        # Bidirectional attention is refused, never made causal.
+        gemma3 = transformers.Gemma3TextConfig(**tiny, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                               use_bidirectional_attention=True)
+        refuse(auto.from_config(gemma3), 2, "Gemma3ForCausalLM", "use_bidirectional_attention=True")
+        # A family without a parity test here is not run by default.
+        olmo = transformers.OlmoConfig(**tiny, num_attention_heads=4, num_key_value_heads=2)
+        refuse(auto.from_config(olmo), 2, "OlmoForCausalLM", "model_type='olmo'", "allow_untested=True", "llama, ")
+        # A named backend whose kernel lacks a layer's pattern, refused before anything runs.
+        stand_in = SimpleNamespace(dims=ParallelDims(sp=2, dp_shard=1, world_size=2))
+        msgs.append(_raises(lambda: parallelize_hf_model(make_model("gpt_oss"), stand_in, attn_backend="flash_attn"),
+                            "GptOssForCausalLM", "'flash_attn' cannot apply attention sinks", "auto, sdpa, flex"))
+        msgs.append(_raises(lambda: parallelize_hf_model(make_model("gemma2"), stand_in, attn_backend="varlen"),
+                            "Gemma2ForCausalLM", "'varlen' cannot apply attention-logit soft-capping (softcap=0.5)"))
+        # A ring mesh would not honour windows, soft-capping or sinks (nor lay the batch out for them).
+        ring = SimpleNamespace(dims=ParallelDims(sp=4, ring=2, world_size=4))
+        msgs.append(_raises(lambda: parallelize_hf_model(make_model("gemma2"), ring), "Gemma2ForCausalLM", "ring=2"))
 
         # At run time, what the model's own mask would express is refused, not dropped.
         pmesh, _ = build_pmesh(world, (1, 1, 2))
@@ -268,21 +466,15 @@ def _errors_worker(rank: int, world: int) -> list[str]:
             msgs.append(_raises(call, "LlamaForCausalLM", *words))
         padded = {**b, "attention_mask": (b["input_ids"] > 2).long()}
         msgs.append(_raises(lambda: shard_hf_batch(padded, pmesh.sp), "attention_mask", "position_ids"))
-        # A window shorter than the sequence is not plain causal attention.
-        model = parallelize_hf_model(make_model("mistral", sliding_window=16), pmesh)
-        msgs.append(_raises(lambda: model(**inputs), "MistralForCausalLM", "sliding_window=16"))
+        # Multimodal rope ids whose rows differ (vision tokens) do not tell the documents apart.
+        mixed = {**b, "position_ids": torch.stack([b["position_ids"], b["position_ids"] * 2, b["position_ids"]])}
+        msgs.append(_raises(lambda: shard_hf_batch(mixed, pmesh.sp), "(4, batch, seq)", "text positions first"))
+        # The text path of a VL model only: image inputs are refused before any collective.
+        vl = parallelize_hf_model(make_model("qwen2_5_vl"), pmesh)
+        pixels = torch.zeros(4, 12)
+        msgs.append(_raises(lambda: vl(**inputs, pixel_values=pixels), "Qwen2_5_VLForConditionalGeneration",
+                            "pixel_values", "text path only"))
     return msgs
-
-
-def test_hf_models_match_unsharded_on_every_mesh():
-    results = run_ranks(4, _parity_worker)
-    for r in results[0]:
-        print(
-            f"{r['family']:8s} dims={r['dims']} {r['opts']}: loss rel diff {r['loss_rel']:.1e}, "
-            f"max grad abs diff {r['grad_abs']:.1e}, all-to-alls fwd {r['counts']['forward']} "
-            f"bwd {r['counts']['backward']}"
-        )
-    assert len(results[0]) == len(CASES)
 
 
 def test_unsupported_models_and_inputs_are_refused_by_name():
@@ -339,3 +531,4 @@ def test_example_hf_custom_loop_trains_loads_and_saves(tmp_path):
     assert math.isclose(log["saved_norm"], saved_norm, rel_tol=1e-6), (log["saved_norm"], saved_norm)
     assert not math.isclose(saved_norm, loaded_norm, rel_tol=1e-4)
     assert (save_dir / "config.json").exists()
+

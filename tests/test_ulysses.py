@@ -116,6 +116,67 @@ def test_exchange_is_minimal_all_to_all(sp):
     run_ranks(sp, _comm_worker)
 
 
+def _patterns_worker(rank: int, world: int) -> list[str]:
+    """Window, soft-cap, sinks and a v head dim of its own through the exchange:
+    parity (outputs, q/k/v and sink gradients) with one process, exact bytes."""
+    sp = world
+    mesh = ParallelDims(sp=sp).build_mesh("cpu").sp
+    seq, heads, dv = 8 * sp, 8, 6
+    sl = slice(rank * seq // sp, (rank + 1) * seq // sp)
+    docs = _documents(seq)
+    done = []
+    # kv 2: replicated on sp 4, split on sp 2; kv 8: split.
+    for kv, window, softcap, pack in ((2, 5, 2.0, False), (8, 3, None, True)):
+        torch.manual_seed(1)
+        full = [torch.randn(B, seq, h, d) for h, d in ((heads, D), (kv, D), (kv, dv))]
+        sinks = torch.randn(heads)
+        grad_out = torch.randn(B, seq, heads, dv)
+        pattern = dict(window=window, softcap=softcap, scale=0.4)
+        ref_in = [t.clone().requires_grad_() for t in (*full, sinks)]
+        ref = local_attention(*ref_in[:3], document_ids=docs, sinks=ref_in[3], **pattern)
+        ref.backward(grad_out)
+        # The pattern matters here: without it the output differs.
+        assert (ref - local_attention(*full, document_ids=docs)).abs().max() > 1e-2
+
+        local = [t[:, sl].clone().requires_grad_() for t in full]
+        my_sinks = sinks.clone().requires_grad_()
+        attn = parallelize_module(
+            LocalAttention("sdpa", scale=0.4, window=window, softcap=softcap), mesh, UlyssesAttention(pack_qkv=pack)
+        )
+        with CollectiveCounter() as counter:
+            out = attn(*local, document_ids=docs, sinks=my_sinks)
+            out.backward(grad_out[:, sl])
+        msg = f"kv={kv} pack={pack} sp={sp}"
+        torch.testing.assert_close(out, ref.detach()[:, sl], atol=1e-5, rtol=1e-5, msg=msg)
+        for got, want, name in zip(local, ref_in, "qkv"):
+            torch.testing.assert_close(got.grad, want.grad[:, sl], atol=1e-5, rtol=1e-5, msg=f"{msg} d{name}")
+        # Each rank's sink gradient covers its own heads only; summed (as FSDP
+        # sums gradients over ranks) they are the single-process gradient.
+        per_rank = heads // sp
+        mine = torch.zeros(heads, dtype=torch.bool)
+        mine[rank * per_rank : (rank + 1) * per_rank] = True
+        assert torch.count_nonzero(my_sinks.grad[~mine]) == 0, msg
+        dist.all_reduce(my_sinks.grad, group=mesh.get_group())
+        torch.testing.assert_close(my_sinks.grad, ref_in[3].grad, atol=1e-5, rtol=1e-5, msg=f"{msg} dsinks")
+        want = exchange_bytes_per_rank(B, seq, heads, kv, D, sp, 4, v_head_dim=dv)
+        assert counter.counts() == {"all_to_all_single": 2 * (2 if pack else 4)}, (msg, counter.counts())
+        assert counter.sent_bytes() == want, (msg, counter.sent_bytes(), want)
+        done.append(msg)
+    # A sinks tensor that is not one value per query head is refused.
+    try:
+        attn(*local, sinks=torch.zeros(heads + 1))
+    except ValueError as e:
+        assert "sinks must have one entry per query head, shape (8,)" in str(e), e
+    else:
+        raise AssertionError("9 sinks for 8 heads were accepted")
+    return done
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_patterns_and_mla_through_the_exchange(sp):
+    assert len(run_ranks(sp, _patterns_worker)[0]) == 2
+
+
 def _every_backend_worker(rank: int, world: int) -> None:
     # The CUDA-only kernels are replaced by the reference-backed fakes of
     # test_attention (this process is thrown away afterwards).
@@ -124,10 +185,10 @@ def _every_backend_worker(rank: int, world: int) -> None:
     import test_attention as T
     import torch.nn.attention.varlen as varlen_mod
 
-    from ulysses_dtensor import attention as A
+    from ulysses_dtensor.attention import packed as P
 
-    A._require_cuda = lambda backend, q: None
-    A._require_half = lambda backend, q: None
+    P._require_cuda = lambda backend, q: None
+    P._require_half = lambda backend, q: None
     varlen_mod.varlen_attn = T.fake_varlen_attn
     sys.modules["flash_attn"] = T._fake_flash_module()
 
@@ -170,6 +231,9 @@ def test_exchange_bytes_formula():
     # MQA on sp=4: the single kv head is repeated to 4 before the exchange.
     assert exchange_bytes_per_rank(1, 1024, 8, 1, 64, 4, 2) == exchange_bytes_per_rank(1, 1024, 8, 4, 64, 4, 2)
     assert exchange_bytes_per_rank(1, 1024, 8, 8, 64, 1, 2) == 0
+    # MLA: q, k carry head_dim, v and the output v_head_dim.
+    mla = exchange_bytes_per_rank(1, 1024, 8, 8, 24, 4, 2, v_head_dim=16)
+    assert mla == 2 * (256 * 8 * (24 + 24 + 16 + 16) * 2) * 3 // 4
 
 
 def test_kv_replication_rules():
@@ -217,6 +281,25 @@ def _bad_input_worker(rank: int, world: int) -> None:
         assert "1-D sp mesh" in str(e), e
     else:
         raise AssertionError("2-D mesh was accepted")
+    # A ring (USP) refuses the patterns its merge of plain causal blocks cannot
+    # express, naming the value, before any collective.
+    from ulysses_dtensor.ring import RingAttention
+
+    ring_mesh = ParallelDims(sp=4, ring=2).build_mesh("cpu").ring
+    for kwargs, words in ((dict(window=16), "sliding window (window=16)"), (dict(softcap=30.0), "soft-capping (softcap=30.0)")):
+        try:
+            parallelize_module(LocalAttention("sdpa", **kwargs), ring_mesh, RingAttention())
+        except ValueError as e:
+            assert words in str(e) and "ring=1" in str(e), e
+        else:
+            raise AssertionError(f"ring accepted {kwargs}")
+    ring = parallelize_module(LocalAttention("sdpa"), ring_mesh, RingAttention())
+    try:
+        ring(q, q, q, sinks=torch.zeros(6))
+    except ValueError as e:
+        assert "attention sinks (sinks=a (6,) tensor)" in str(e) and "ring=1" in str(e), e
+    else:
+        raise AssertionError("ring accepted sinks")
     dist.barrier()
 
 

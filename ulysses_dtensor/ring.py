@@ -59,7 +59,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .attention import LocalAttention, local_attention
+from .attention import FEATURES, LocalAttention, local_attention
 from .documents import cached_for_documents
 from .ring_kernels import pair_backward, pair_forward, varlen_runs
 from .ring_layout import Documents, layout_indices, layout_position_ids, original_segment_ids, seq_multiple
@@ -362,7 +362,11 @@ class RingLocalAttention(nn.Module):
         self.scale = scale
         self.overlap = overlap
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None, sinks: Tensor | None = None
+    ) -> Tensor:
+        if sinks is not None:
+            raise ValueError(refused_pattern("sinks", f"a ({sinks.shape[0]},) tensor"))
         return ring_attention(
             q, k, v, self.mesh, causal=self.causal, document_ids=document_ids, scale=self.scale, overlap=self.overlap
         )
@@ -393,9 +397,20 @@ class RingAttention(ParallelStyle):
         if not isinstance(module, LocalAttention):
             raise TypeError(f"RingAttention applies to a LocalAttention, got {type(module).__name__}")
         check_ring_backend(module.backend)
+        for name in ("window", "softcap"):
+            if getattr(module, name, None) is not None:
+                raise ValueError(refused_pattern(name, getattr(module, name)))
         if device_mesh.size() == 1:
             return module
         return RingLocalAttention(device_mesh, causal=module.causal, scale=module.scale, overlap=self.overlap)
+
+
+def refused_pattern(name: str, value) -> str:
+    """The one message for an attention pattern the ring does not implement."""
+    return (
+        f"ring attention (ring > 1) does not implement {FEATURES[name]} ({name}={value}): its blocks are "
+        f"merged from plain causal kernels; run this model with ring=1 (Ulysses only, sp up to the head count)"
+    )
 
 
 def check_ring_backend(backend: str) -> str:

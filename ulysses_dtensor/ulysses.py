@@ -28,6 +28,9 @@ from .mesh import divisors
 
 SEQ_DIM = 1
 HEAD_DIM = 2
+# Keyword arguments of the inner module indexed by query head (dim 0): each
+# rank passes on the block of the heads it holds after the exchange.
+HEAD_KWARGS = ("sinks",)
 
 
 # ---------------------------------------------------------------------------
@@ -45,25 +48,26 @@ def _all_to_all(x: Tensor, mesh: DeviceMesh) -> Tensor:
 
 
 def _seq_to_heads_local(parts: list[Tensor], mesh: DeviceMesh) -> list[Tensor]:
-    """(B, s, h_i, D) shards of the sequence -> (B, s*P, h_i/P, D) shards of heads.
+    """(B, s, h_i, D_i) shards of the sequence -> (B, s*P, h_i/P, D_i) shards of heads.
 
     Several tensors go through one all-to-all: their per-destination chunks
-    are concatenated on the head dim, so packing q, k, v costs one collective.
+    are flattened and concatenated, so packing q, k, v costs one collective
+    even when v's head dim differs from q's and k's (MLA).
     """
     world = mesh.size()
-    batch, seq, _, dim = parts[0].shape
-    # (B, s, h, D) -> (P, B, s, h/P, D): destination rank first.
+    batch, seq = parts[0].shape[:2]
+    # (B, s, h, D) -> (P, B, s, h/P * D): destination rank first.
     chunks = [
-        p.reshape(batch, seq, world, p.shape[2] // world, dim).permute(2, 0, 1, 3, 4)
+        p.reshape(batch, seq, world, -1).permute(2, 0, 1, 3)
         for p in parts
     ]
     send = torch.cat(chunks, dim=3) if len(chunks) > 1 else chunks[0]
     recv = _all_to_all(send.contiguous(), mesh)
-    # recv is (P, B, s, sum h/P, D) with the source rank (= sequence block) first.
-    recv = recv.view(world, batch, seq, -1, dim).permute(1, 0, 2, 3, 4)
-    recv = recv.reshape(batch, world * seq, -1, dim)
-    sizes = [p.shape[2] // world for p in parts]
-    return list(recv.split(sizes, dim=2)) if len(parts) > 1 else [recv]
+    # recv is (P, B, s, sum h/P*D) with the source rank (= sequence block) first.
+    recv = recv.view(world, batch, seq, -1).permute(1, 0, 2, 3).reshape(batch, world * seq, -1)
+    sizes = [c.shape[3] for c in chunks]
+    pieces = recv.split(sizes, dim=2) if len(parts) > 1 else [recv]
+    return [x.view(batch, world * seq, p.shape[2] // world, p.shape[3]) for x, p in zip(pieces, parts)]
 
 
 def _heads_to_seq_local(x: Tensor, mesh: DeviceMesh) -> Tensor:
@@ -156,11 +160,13 @@ class UlyssesAttention(ParallelStyle):
 
         parallelize_module(inner_attn, mesh["sp"], UlyssesAttention())
 
-    Before: ``q: (B, S/P, H, D)``, ``k, v: (B, S/P, H_kv, D)``, plain tensors
-    holding this rank's sequence slice (or DTensors placed ``Shard(1)``); the
-    module returns ``(B, S/P, H, D)``. Inside, the inner module sees plain
-    tensors with the full sequence and ``H/P`` heads (and its kv heads);
-    keyword arguments (e.g. global document ids) pass unchanged.
+    Before: ``q: (B, S/P, H, D)``, ``k: (B, S/P, H_kv, D)``, ``v: (B, S/P,
+    H_kv, D_v)`` (``D_v`` may differ: MLA), plain tensors holding this rank's
+    sequence slice (or DTensors placed ``Shard(1)``); the module returns
+    ``(B, S/P, H, D_v)``. Inside, the inner module sees plain tensors with the
+    full sequence and ``H/P`` heads (and its kv heads); keyword arguments (e.g.
+    global document ids) pass unchanged, except ``sinks`` (one value per query
+    head), of which each rank passes on its heads' block.
 
     Args:
         pack_qkv: exchange q, k and v in one all-to-all instead of three.
@@ -188,6 +194,10 @@ class UlyssesAttention(ParallelStyle):
 
         def pre_hook(_mod, args, kwargs):
             q, k, v, rest = _split_qkv(args, kwargs)
+            # Per-head arguments first: a wrong one fails before any collective.
+            for name in HEAD_KWARGS:
+                if kwargs.get(name) is not None:
+                    kwargs = {**kwargs, name: _heads_of_rank(kwargs[name], name, q.shape[HEAD_DIM], device_mesh)}
             q, k, v = self._to_heads(q, k, v, device_mesh)
             return (q, k, v, *rest), kwargs
 
@@ -209,9 +219,9 @@ class UlyssesAttention(ParallelStyle):
         # CPU overhead in eager mode at short per-rank lengths).
         sp = mesh.size()
         q, k, v = (_local_seq_shard(t, mesh, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
-        if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or k.shape != v.shape:
+        if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
             raise ValueError(
-                f"q, k, v must agree on batch and sequence and k, v on all dims; got "
+                f"q, k, v must agree on batch and sequence and k, v on heads (head dims may differ); got "
                 f"q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)} (this rank's slices)"
             )
         repeat = kv_replication(q.shape[HEAD_DIM], k.shape[HEAD_DIM], sp)
@@ -225,6 +235,22 @@ class UlyssesAttention(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(pack_qkv={self.pack_qkv}, use_local_output={self.use_local_output})"
+
+
+def _heads_of_rank(t: Tensor, name: str, heads: int, mesh: DeviceMesh) -> Tensor:
+    """Rank r's block of a per-query-head tensor: heads r*H/P ... (r+1)*H/P - 1, the
+    q heads the exchange gives it (kv-head replication does not change them).
+    Slicing is differentiable: each rank's gradient covers its own heads."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    if t.dim() != 1 or t.shape[0] != heads:
+        raise ValueError(
+            f"UlyssesAttention: {name} must have one entry per query head, shape ({heads},); "
+            f"got {tuple(t.shape)}"
+        )
+    per_rank = heads // mesh.size()
+    start = mesh.get_local_rank() * per_rank
+    return t[start : start + per_rank]
 
 
 def _split_qkv(args: tuple, kwargs: dict):
@@ -267,18 +293,21 @@ def exchange_bytes_per_rank(
     element_size: int,
     *,
     backward: bool = True,
+    v_head_dim: int | None = None,
 ) -> int:
     """Bytes one rank sends through all-to-all for one attention layer.
 
     Forward moves q, k, v (kv after replication for GQA) and the output, each
-    a ``(batch, seq/sp, h, head_dim)`` shard of which ``(sp-1)/sp`` leaves the
-    rank; backward moves their gradients, the same volume again. Packing q, k,
-    v changes the number of collectives, not the bytes.
+    a ``(batch, seq/sp, h, d)`` shard of which ``(sp-1)/sp`` leaves the
+    rank, with ``d = v_head_dim`` (default ``head_dim``) for v and the output;
+    backward moves their gradients, the same volume again. Packing q, k, v
+    changes the number of collectives, not the bytes.
     """
     if sp == 1:
         return 0
+    dv = head_dim if v_head_dim is None else v_head_dim
     kv_exchanged = kv_heads * kv_replication(heads, kv_heads, sp)
     local_tokens = batch * seq // sp
-    elements = local_tokens * head_dim * (2 * heads + 2 * kv_exchanged)
+    elements = local_tokens * (head_dim + dv) * (heads + kv_exchanged)
     sent = elements * element_size * (sp - 1) // sp
     return 2 * sent if backward else sent

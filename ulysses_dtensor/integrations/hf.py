@@ -36,11 +36,22 @@ from ..loss import IGNORE_INDEX
 from ..mesh import ParallelMesh
 from ..parallelize import AC_MODES, _check_compile_backend, _parse_selective_ac, checkpoint_block, shard_model
 from ..ulysses import UlyssesAttention, kv_replication
-from .hf_attention import ATTN_IMPLEMENTATION, DOCUMENT_IDS_KWARG, UlyssesCore, ulysses_attention_forward
+from .hf_attention import (
+    ATTN_IMPLEMENTATION,
+    DOCUMENT_IDS_KWARG,
+    UlyssesCore,
+    check_backend_for_patterns,
+    model_patterns,
+    ulysses_attention_forward,
+)
+from .hf_families import check_known_family, decoder_layers, text_config_key
+from .hf_moe import install_router_aux_loss
+from .hf_positions import slice_positions, text_positions
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "DOCUMENT_IDS_KWARG",
+    "SEQ_LEN_KWARG",
     "parallelize_hf_model",
     "register_ulysses_attention",
     "shard_hf_batch",
@@ -51,6 +62,15 @@ __all__ = [
 # attention, state-space layers, chunked attention -- would mix tokens over
 # the local slice only, silently wrong under SP.
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Model keyword argument carrying the unpadded length of the whole sequence
+# (shard_hf_batch sets it): the tokens past it are padding, which MoE routers
+# must not count. Consumed by the model's pre-hook, never passed down.
+SEQ_LEN_KWARG = "sp_seq_len"
+
+# Inputs of a multimodal model's encoders: those run on whole images, which
+# under SP would be scattered into a sliced sequence. The text path only.
+_ENCODER_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "input_features")
 
 
 def register_ulysses_attention() -> None:
@@ -74,6 +94,7 @@ def parallelize_hf_model(
     reshard_after_forward: bool = True,
     attn_backend: str = "auto",
     pack_qkv: bool = False,
+    allow_untested: bool = False,
 ) -> nn.Module:
     """Apply Ulysses SP, activation checkpointing, compile and FSDP2 to ``model`` in place.
 
@@ -92,7 +113,17 @@ def parallelize_hf_model(
             (``_can_compile_fullgraph``), else allowing graph breaks.
         attn_backend: the local attention backend
             (:func:`~ulysses_dtensor.attention.local_attention`): ``"auto"``,
-            ``"sdpa"``, ``"flash_attn"``, ``"varlen"``, ``"flex"``.
+            ``"sdpa"``, ``"flash_attn"``, ``"varlen"``, ``"flex"``. Sliding
+            windows, soft-capping and sinks pass through to it (``auto`` picks a
+            kernel that has them; a named one that has not is refused).
+        allow_untested: run a model whose family is not in
+            :data:`~.hf_families.KNOWN_MODEL_TYPES` (refused by default).
+
+    Multimodal models (Qwen2.5-VL): the text decoder is parallelized and the
+    vision tower left as it is; calls with image or video inputs are refused.
+    MoE models: ``output_router_logits=True`` returns as ``aux_loss`` this
+    rank's share of the router loss of the whole global batch (see
+    :mod:`.hf_moe`), folded into ``loss`` where transformers adds it.
 
     Gradients are SUMMED over ranks: use :func:`~ulysses_dtensor.loss.sp_cross_entropy`
     (each rank's share of the global token mean). The model is then called with
@@ -100,12 +131,13 @@ def parallelize_hf_model(
     """
     name = type(model).__name__
     if getattr(pmesh.dims, "ring", 1) > 1:
-        # shard_hf_batch would lay the sequence out for a ring this path does not run.
+        # shard_hf_batch would lay the sequence out for a ring this path does not run (nor
+        # would a ring honour sliding windows, soft-capping or sinks).
         raise ValueError(
-            f"parallelize_hf_model runs Ulysses only: got a mesh with ring={pmesh.dims.ring}; build it "
+            f"{name}: parallelize_hf_model runs Ulysses only: got a mesh with ring={pmesh.dims.ring}; build it "
             f"with ParallelDims(..., ring=1) (ring attention runs with parallelize_llama)"
         )
-    layers, attentions = _check_model(model, pmesh.dims.sp)
+    layers, attentions = _check_model(model, pmesh.dims.sp, allow_untested)
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
     every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
@@ -117,11 +149,19 @@ def parallelize_hf_model(
     if compile and isinstance(compile_backend, str):
         _check_compile_backend(compile_backend)
     check_backend(attn_backend)
+    check_backend_for_patterns(name, attn_backend, model_patterns(model.config.get_text_config(), attentions))
 
     # 1. Ulysses: transformers' attention dispatch -> our exchange + local attention.
     register_ulysses_attention()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+    text_key = text_config_key(model)
+    if text_key is None:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    else:
+        # The text decoder only: a vision tower keeps its own (bidirectional) attention.
+        keep = {k: getattr(model.config, k)._attn_implementation for k in model.config.sub_configs
+                if getattr(model.config, k, None) is not None}
+        model.set_attn_implementation({**keep, "": ATTN_IMPLEMENTATION, text_key: ATTN_IMPLEMENTATION})
+    if model.config.get_text_config()._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(
             f"{name} refused attention implementation {ATTN_IMPLEMENTATION!r} (it stays "
             f"{model.config._attn_implementation!r}): it does not dispatch attention through "
@@ -145,14 +185,32 @@ def parallelize_hf_model(
     _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward)
     # Input checks run first, before FSDP's own pre-forward (all-gathers): bad
     # input fails before any communication.
+    call = _CallState()
     model.register_forward_pre_hook(
-        functools.partial(_prepare_inputs, name=name, sp=pmesh.dims.sp, sp_rank=pmesh.sp_rank),
+        functools.partial(_prepare_inputs, name=name, sp=pmesh.dims.sp, sp_rank=pmesh.sp_rank, call=call),
         with_kwargs=True, prepend=True,
     )
+    install_router_aux_loss(model, pmesh.loss, functools.partial(_valid_tokens, call=call, sp_rank=pmesh.sp_rank))
     return model
 
 
-def _check_model(model: nn.Module, sp: int) -> tuple[nn.ModuleList, list[nn.Module]]:
+class _CallState:
+    """What the model's pre-hook learns from one call for its post-hooks (the
+    unpadded sequence length). The top-level forward is never compiled or
+    recomputed by activation checkpointing, so per-call state is safe here."""
+
+    seq_len: int | None = None
+
+
+def _valid_tokens(batch: int, seq: int, *, call: _CallState, sp_rank: int) -> Tensor | None:
+    """(batch * seq,) True for this rank's real tokens, False for padding; None: all real."""
+    if call.seq_len is None:
+        return None
+    positions = torch.arange(seq) + sp_rank * seq
+    return (positions < call.seq_len).expand(batch, seq).reshape(-1)
+
+
+def _check_model(model: nn.Module, sp: int, allow_untested: bool = False) -> tuple[nn.ModuleList, list[nn.Module]]:
     """Refuse what Ulysses attention cannot run correctly; return the decoder layers
     and the attention modules in them."""
     try:
@@ -173,6 +231,11 @@ def _check_model(model: nn.Module, sp: int) -> tuple[nn.ModuleList, list[nn.Modu
     text = config.get_text_config()
     if not getattr(text, "is_causal", True) or not getattr(config, "is_causal", True):
         raise ValueError(f"{name} is configured for bidirectional attention (is_causal=False); only causal is supported")
+    if getattr(text, "use_bidirectional_attention", False):
+        raise ValueError(
+            f"{name} is configured for bidirectional attention (use_bidirectional_attention=True); Ulysses "
+            "attention here is causal only"
+        )
     other = sorted(set(getattr(text, "layer_types", None) or ()) - set(_SUPPORTED_LAYER_TYPES))
     if other:
         raise ValueError(
@@ -181,16 +244,15 @@ def _check_model(model: nn.Module, sp: int) -> tuple[nn.ModuleList, list[nn.Modu
         )
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if getattr(text, "kv_lora_rank", None):
+        kv_heads = heads  # MLA expands its latent into one k and v per head
     try:
         kv_replication(heads, kv_heads, sp)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
 
     block_names = set(getattr(model, "_no_split_modules", None) or ())
-    lists = [
-        m for m in model.modules()
-        if isinstance(m, nn.ModuleList) and len(m) and all(type(c).__name__ in block_names for c in m)
-    ]
+    lists = decoder_layers(model)
     if len(lists) != 1:
         raise ValueError(
             f"{name}: expected one list of decoder layers of types {sorted(block_names)}, found {len(lists)}"
@@ -205,12 +267,14 @@ def _check_model(model: nn.Module, sp: int) -> tuple[nn.ModuleList, list[nn.Modu
     for attn in attentions:
         if not getattr(attn, "is_causal", True):
             raise ValueError(f"{name}: {type(attn).__name__} is not causal; only causal attention is supported")
+    check_known_family(model, allow_untested)
     return layers, attentions
 
 
-def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int):
+def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int, call: _CallState):
     """Model forward pre-hook: refuse inputs whose meaning SP would change, default
     the position ids to this rank's GLOBAL positions."""
+    call.seq_len = kwargs.pop(SEQ_LEN_KWARG, None)
     if len(args) > 1:
         raise TypeError(f"{name} under Ulysses SP: pass everything after input_ids as keyword arguments")
     ref = args[0] if args else kwargs.get("input_ids")
@@ -218,6 +282,16 @@ def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int):
     if ref is None:
         return None  # transformers raises its own error
     batch, seq = ref.shape[:2]
+    encoder = [k for k in _ENCODER_INPUTS if kwargs.get(k) is not None]
+    if encoder:
+        raise ValueError(
+            f"{name} under Ulysses SP runs its text path only; got {encoder[0]}=...: the vision/audio encoder "
+            "runs on whole images and its features would be scattered into this rank's slice of the sequence"
+        )
+    if call.seq_len is not None and not 0 < call.seq_len <= seq * sp:
+        raise ValueError(
+            f"{name}: {SEQ_LEN_KWARG}={call.seq_len} must be in [1, local_seq * sp = {seq * sp}] (shard_hf_batch sets it)"
+        )
     mask = kwargs.get("attention_mask")
     if mask is not None:
         if mask.dim() != 2 or not bool(mask.all()):
@@ -285,14 +359,16 @@ def shard_hf_batch(
 
     ``batch``: ``input_ids`` (B, S); optional ``labels`` aligned with the inputs
     (token t's own id, or ``ignore_index``), ``position_ids`` restarting at 0
-    per packed document, and an ``attention_mask`` that must be all ones
-    (padding is done here, at the end, ignored by the loss).
+    per packed document -- (B, S), or multimodal rope ids (3, B, S) / (4, B, S)
+    (:mod:`.hf_positions`), sliced on the last dim -- and an ``attention_mask``
+    that must be all ones (padding is done here, at the end, ignored by the loss).
 
     Returns ``(inputs, labels)``: ``inputs`` has ``input_ids`` and GLOBAL
-    ``position_ids`` for this rank's ``S_pad/sp`` tokens, plus
-    :data:`DOCUMENT_IDS_KWARG` (the whole sequence's document ids) when rows
-    hold several documents; ``labels`` are shifted on the full sequence before
-    slicing (see :func:`~ulysses_dtensor.batch.shard_batch`), for
+    ``position_ids`` for this rank's ``S_pad/sp`` tokens, :data:`SEQ_LEN_KWARG`
+    (S, so that padding is known), plus :data:`DOCUMENT_IDS_KWARG` (the whole
+    sequence's document ids) when rows hold several documents; ``labels`` are
+    shifted on the full sequence before slicing (see
+    :func:`~ulysses_dtensor.batch.shard_batch`), for
     ``sp_cross_entropy(model(**inputs).logits, labels, pmesh.loss)``.
     """
     mask = batch.get("attention_mask")
@@ -301,8 +377,17 @@ def shard_hf_batch(
             "shard_hf_batch: attention_mask has zeros (padding inside the batch); Ulysses SP needs "
             "packed rows: concatenate documents and give position_ids restarting at 0 per document"
         )
+    batch = dict(batch)
+    multimodal = None
+    if batch.get("position_ids") is not None:
+        batch["position_ids"], multimodal = text_positions(batch["position_ids"])
     local = shard_batch(batch, sp_mesh, pad_token_id=pad_token_id, ignore_index=ignore_index)
     inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
+    seq = batch["input_ids"].shape[1]
+    if multimodal is not None:
+        sp_rank, sp_size = (0, 1) if sp_mesh is None else (sp_mesh.get_local_rank(), sp_mesh.size())
+        inputs["position_ids"] = slice_positions(multimodal, local["input_ids"].shape[1] * sp_size, sp_rank, sp_size)
+    inputs[SEQ_LEN_KWARG] = seq
     if local["document_ids"] is not None:
         inputs[DOCUMENT_IDS_KWARG] = local["document_ids"]
     return inputs, local["labels"]

@@ -13,10 +13,13 @@ sequence, attends, and exchanges back.
 transformers builds its attention mask from the tensors it sees, which under SP
 are one slice of the sequence: wrong. So the model runs with no mask at all (an
 implementation name absent from transformers' mask registry makes
-``create_causal_mask`` return ``None``), and the mask is made here from the
-global structure: causal, plus packed documents from the full-sequence document
-ids that :func:`~ulysses_dtensor.integrations.hf.shard_hf_batch` passes as the
-keyword argument :data:`DOCUMENT_IDS_KWARG`. Anything else that shapes the
+``create_causal_mask`` and ``create_sliding_window_causal_mask`` return
+``None``), and the pattern is made here from the global structure: causal,
+packed documents from the full-sequence document ids that
+:func:`~ulysses_dtensor.integrations.hf.shard_hf_batch` passes as the keyword
+argument :data:`DOCUMENT_IDS_KWARG`, and what the model passes per layer --
+``sliding_window`` (in global positions), ``softcap``, ``s_aux`` (sinks, split
+with the heads by the exchange), ``scaling``. Anything else that shapes the
 attention pattern is refused with the model class named, never dropped.
 """
 
@@ -24,9 +27,17 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..attention import check_backend, local_attention
+from ..attention import FEATURES, check_backend, local_attention
+from ..attention.select import SUPPORTS
 
-__all__ = ["ATTN_IMPLEMENTATION", "DOCUMENT_IDS_KWARG", "UlyssesCore", "ulysses_attention_forward"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "DOCUMENT_IDS_KWARG",
+    "UlyssesCore",
+    "check_backend_for_patterns",
+    "model_patterns",
+    "ulysses_attention_forward",
+]
 
 # The key in transformers' AttentionInterface (and config._attn_implementation).
 ATTN_IMPLEMENTATION = "ulysses_sp"
@@ -38,18 +49,47 @@ DOCUMENT_IDS_KWARG = "sp_document_ids"
 # change the attention pattern or numerics in ways this function does not
 # implement. Present and not None -> error.
 _REFUSED_KWARGS = {
-    "softcap": "attention logit soft-capping",
-    "s_aux": "attention sinks",
     "cu_seq_lens_q": "transformers' own packed-sequence metadata (use shard_hf_batch's document ids)",
     "cu_seq_lens_k": "transformers' own packed-sequence metadata (use shard_hf_batch's document ids)",
+    "position_bias": "an additive position bias",
 }
+
+
+def model_patterns(text_config, attentions: list[nn.Module]) -> dict:
+    """The patterns a model's layers will pass to attention, read off its config
+    and attention modules: {feature: value}."""
+    found = {}
+    if getattr(text_config, "sliding_window", None) is not None:
+        found["window"] = text_config.sliding_window
+    if getattr(text_config, "attn_logit_softcapping", None) is not None:
+        found["softcap"] = text_config.attn_logit_softcapping
+    sinks = [a.sinks for a in attentions if isinstance(getattr(a, "sinks", None), nn.Parameter)]
+    if sinks:
+        found["sinks"] = f"a ({sinks[0].shape[0]},) parameter per layer"
+    return found
+
+
+def check_backend_for_patterns(name: str, backend: str, patterns: dict) -> None:
+    """Refuse, before anything runs, a named backend whose kernel cannot express a model's pattern."""
+    if backend == "auto":
+        return  # auto picks a kernel that can, per call
+    missing = [f for f in patterns if f not in SUPPORTS[backend]]
+    if missing:
+        able = [b for b in SUPPORTS if set(patterns) <= SUPPORTS[b]]
+        raise ValueError(
+            f"{name}: attention backend {backend!r} cannot apply {FEATURES[missing[0]]} "
+            f"({missing[0]}={patterns[missing[0]]}), which this model uses; backends that can: "
+            f"{', '.join(['auto', *able])}"
+        )
 
 
 class UlyssesCore(nn.Module):
     """Attention over the full sequence for ``heads/sp`` heads: what runs between
     the two all-to-alls. Parameter-free; ``parallelize_hf_model`` attaches one,
     parallelized with ``UlyssesAttention`` on the sp mesh, to each attention
-    module as ``.ulysses``.
+    module as ``.ulysses``. The pattern arrives per call (it differs per layer:
+    Gemma3 mixes sliding and full layers); ``sinks`` are the model's per-head
+    logits, of which the exchange hands each rank its heads' block.
     """
 
     def __init__(self, backend: str, model_name: str, sp: int):
@@ -59,8 +99,10 @@ class UlyssesCore(nn.Module):
         self.sp = sp
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None,
-                scale: float | None = None) -> Tensor:
-        return local_attention(q, k, v, backend=self.backend, causal=True, document_ids=document_ids, scale=scale)
+                scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                sinks: Tensor | None = None) -> Tensor:
+        return local_attention(q, k, v, backend=self.backend, causal=True, document_ids=document_ids, scale=scale,
+                               window=window, softcap=softcap, sinks=sinks)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, sp={self.sp}"
@@ -107,18 +149,14 @@ def ulysses_attention_forward(
         if kwargs.get(kw) is not None:
             raise ValueError(f"{name}: {what} ({kw}=...) is not supported by Ulysses attention")
     document_ids = kwargs.get(DOCUMENT_IDS_KWARG)
-    seq = document_ids.shape[1] if document_ids is not None else query.shape[2] * core.sp
     window = kwargs.get("sliding_window")
-    if window is not None and window < seq:
-        # Within the window the pattern is plain causal; beyond it it is not.
-        raise ValueError(
-            f"{name}: sliding-window attention (sliding_window={window}) with a sequence of {seq} "
-            f"tokens is not implemented by Ulysses attention; use sequences of at most {window} "
-            "tokens, or a model with full attention"
-        )
+    seq = document_ids.shape[1] if document_ids is not None else query.shape[2] * core.sp
+    if window is not None and window >= seq:
+        window = None  # every key of the sequence is in the window: plain causal
     # (B, H, s, D) -> (B, s, H, D), the layout the exchange and local backends use.
     out = core(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        document_ids=document_ids, scale=scaling,
+        document_ids=document_ids, scale=scaling, window=window, softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
     )
     return out, None

@@ -1,0 +1,168 @@
+"""The FlashAttention backends on packed sequences: torch's ``varlen`` and the
+flash-attn package's ``flash_attn``. CUDA and 16-bit only.
+
+Documents become ``cu_seqlens`` over the flattened batch, so masked blocks are
+skipped rather than computed. A sliding window of W keys is the kernels'
+``window_size=(W - 1, 0)`` (left, right; the query itself counted in W, as in
+transformers' flash path); flash-attn also takes ``softcap``. The kernels want
+one head dim for q, k and v: a different value head dim (MLA) is zero-padded
+to the larger one, which changes neither the scores nor the kept output
+columns.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..documents import cached_for_documents, cu_seqlens, cu_seqlens_from_document_ids
+from .dense import _repeat_kv
+from .pattern import Pattern
+from .select import _import_flash_attn
+
+__all__ = ["flash_attn_backend", "varlen_backend"]
+
+
+def _require_cuda(backend: str, q: Tensor) -> None:
+    if q.device.type != "cuda":
+        raise RuntimeError(
+            f"attention backend {backend!r} runs on CUDA only; got tensors on device "
+            f"'{q.device}'. Use backend 'sdpa' on CPU."
+        )
+
+
+def _require_half(backend: str, q: Tensor) -> None:
+    # Both are FlashAttention kernels, which exist for 16-bit floats only.
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"attention backend {backend!r} needs float16 or bfloat16 inputs; got {q.dtype}. "
+            "Use backend 'sdpa' (or 'flex') for other dtypes."
+        )
+
+
+def _packed_lengths(seg, document_ids, b, s, device):
+    """cu_seqlens and max_seqlen for flattening (B, S) into one packed sequence."""
+    if seg is None:
+        # One document per row: no data-dependent lengths, no host sync.
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device)
+        return cu, s
+    if torch.compiler.is_compiling():
+        # Avoid a graph break on .item(): S is a valid upper bound on any
+        # document length (the kernel launches some empty blocks).
+        return cu_seqlens(seg), s
+    return cached_for_documents(
+        "cu_seqlens", document_ids, (device, b, s), lambda: cu_seqlens_from_document_ids(seg)
+    )
+
+
+def _window_size(pattern: Pattern) -> tuple[int, int]:
+    left = -1 if pattern.window is None else pattern.window - 1
+    return (left, 0) if pattern.causal else (-1, -1)
+
+
+def _same_head_dim(q, k, v, scale):
+    """Zero-pad to one head dim; returns q, k, v, the scale to pass, and v's own dim."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if d == dv:
+        return q, k, v, scale, dv
+    scale = d**-0.5 if scale is None else scale  # the padded dim must not change it
+    if dv < d:
+        return q, k, F.pad(v, (0, d - dv)), scale, dv
+    return F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v, scale, dv
+
+
+@functools.cache
+def _varlen_params() -> frozenset:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tensor:
+    _require_cuda("varlen", q)
+    _require_half("varlen", q)
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    b, s, hq, _ = q.shape
+    hkv = k.shape[2]
+    q, k, v, scale, dv = _same_head_dim(q, k, v, scale)
+    d = q.shape[-1]
+    cu, max_len = _packed_lengths(seg, document_ids, b, s, q.device)
+
+    kwargs = {}
+    # The causal flag moved: torch 2.10 takes is_causal, later versions express
+    # it (and a sliding window) as a (left, right) window.
+    if "window_size" in params:
+        kwargs["window_size"] = _window_size(pattern)
+    elif pattern.window is not None:
+        raise ValueError(
+            f"attention backend 'varlen' cannot apply a sliding window (window={pattern.window}) in this "
+            f"torch ({torch.__version__}): its varlen_attn has no window_size; backends that can: sdpa, flex, "
+            "flash_attn"
+        )
+    else:
+        kwargs["is_causal"] = pattern.causal
+    if hq != hkv:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(k, hq // hkv), _repeat_kv(v, hq // hkv)
+    if scale is not None:
+        if "scale" in params:
+            kwargs["scale"] = scale
+        else:
+            # Same logits as a custom scale under the kernel's default 1/sqrt(d).
+            q = q * (scale * math.sqrt(d))
+
+    out = varlen_attn(
+        q.reshape(b * s, hq, d),
+        k.reshape(b * s, k.shape[2], d),
+        v.reshape(b * s, v.shape[2], d),
+        cu,
+        cu,
+        max_len,
+        max_len,
+        **kwargs,
+    )
+    return out.reshape(b, s, hq, d)[..., :dv]
+
+
+def flash_attn_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tensor:
+    # Device first, so a CPU caller learns about the device, not a missing package.
+    _require_cuda("flash_attn", q)
+    _require_half("flash_attn", q)
+    fa = _import_flash_attn()
+    q, k, v, scale, dv = _same_head_dim(q, k, v, scale)
+    # Only non-default options are passed, so older flash-attn versions work
+    # whenever the pattern does not need them.
+    extra = {}
+    if pattern.window is not None:
+        extra["window_size"] = _window_size(pattern)
+    if pattern.softcap is not None:
+        extra["softcap"] = pattern.softcap
+    # flash-attn takes (B, S, H, D) directly and handles GQA (Hq % Hkv == 0) natively.
+    if seg is None:
+        out = fa.flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=pattern.causal, **extra)
+        return out[..., :dv]
+    b, s, hq, d = q.shape
+    cu, max_len = _packed_lengths(seg, document_ids, b, s, q.device)
+    out = fa.flash_attn_varlen_func(
+        q.reshape(b * s, hq, d),
+        k.reshape(b * s, k.shape[2], d),
+        v.reshape(b * s, v.shape[2], d),
+        cu,
+        cu,
+        max_len,
+        max_len,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=pattern.causal,
+        **extra,
+    )
+    return out.reshape(b, s, hq, d)[..., :dv]
