@@ -150,8 +150,12 @@ def test_hf_config_errors_name_the_value_and_what_is_supported(families, tmp_pat
     cfg = read_hf_config(families["llama"][0])
     with pytest.raises(HFCheckpointError, match=r"architectures=\['GPT2LMHeadModel'\].*supported: LlamaForCausalLM"):
         args_from_hf_config({**cfg, "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(HFCheckpointError, match=r"rope type 'yarn' is not supported; supported: default, llama3"):
-        args_from_hf_config({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(HFCheckpointError, match=r"rope_parameters\.rope_type is 'su'; valid: default, linear, "
+                                                r"dynamic, yarn, llama3, longrope"):
+        args_from_hf_config({**cfg, "rope_parameters": {"rope_type": "su", "factor": 4.0}})
+    with pytest.raises(HFCheckpointError, match=r"rope_parameters of rope_type 'llama3' lacks low_freq_factor"):
+        args_from_hf_config({**cfg, "rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                                        "high_freq_factor": 4.0}})
     mistral = read_hf_config(families["mistral"][0])
     with pytest.raises(HFCheckpointError, match="sliding_window=4096"):
         args_from_hf_config({**mistral, "sliding_window": 4096})
