@@ -158,24 +158,23 @@ def hf_rope_fields(
     ``max_position_embeddings`` is the longest trained sequence, or the source
     config's when larger, then what the rope type needs to load without a
     warning: ``llama3`` more than its original length (``factor x original``
-    when the run stayed within it), ``yarn`` exactly ``factor x original`` (if
-    training went beyond that, transformers will warn; the note says so), and
-    ``dynamic`` its original length, which is that type's parameter in
-    transformers. The source config's spelling is kept (``rope_parameters``, or
+    when the run stayed within it); ``yarn`` exactly ``factor x original``, the
+    length it extends to (if training went beyond that, the longest trained, and
+    transformers will warn: the note says so); ``dynamic`` its original length,
+    which is that type's parameter in transformers. The source config's spelling is kept (``rope_parameters``, or
     ``rope_theta`` + ``rope_scaling`` as transformers 4.x and vLLM read them).
     """
     source = source or {}
-    longest = max(int(trained_len or 0), int(source.get("max_position_embeddings") or 0))
-    max_pos, note = longest, None
+    trained = int(trained_len or 0)
+    max_pos, note = max(trained, int(source.get("max_position_embeddings") or 0)), None
     orig = rope.original_max_position_embeddings
     if rope.rope_type == "llama3" and max_pos <= orig:
         max_pos = int(round(rope.factor * orig))
     elif rope.rope_type == "yarn":
         extended = int(round(rope.factor * orig))
-        if max_pos <= extended:
-            max_pos = extended
-        else:
-            note = (f"max_position_embeddings={max_pos} (the longest trained) exceeds the yarn rope's "
+        max_pos = max(extended, trained)
+        if trained > extended:
+            note = (f"max_position_embeddings={trained} (the longest trained) exceeds the yarn rope's "
                     f"factor x original_max_position_embeddings = {extended}: transformers will log a "
                     "warning on load (the model computes the same)")
     elif rope.rope_type == "dynamic":
