@@ -13,7 +13,8 @@ directories with our code, so transformers is imported once, in this process.
 * loading reads only a rank's shards: peak host memory while loading is bounded
   by its shard, not by the model;
 * export of trained checkpoints (every family, a sharded export, and a model of
-  our own interleaved flavor) loads with ``from_pretrained`` and gives our logits;
+  our own interleaved flavor) loads with ``from_pretrained`` without a warning
+  (Python's or transformers' logger) and gives our logits;
 * the trainer runs ``train_configs/debug_hf.toml`` from an HF directory, resumes
   from its own checkpoint, and its export gives the trained model's logits.
 """
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_ranks
+from transformers_strict import no_transformers_warnings
 from ulysses_dtensor.batch import shard_batch
 from ulysses_dtensor.loss import count_valid_tokens, global_loss
 from ulysses_dtensor.mesh import ParallelDims
@@ -323,7 +325,8 @@ def _exported_logits(ckpt: Path, out: Path, ids, **kwargs):
     from ulysses_dtensor.export import export_checkpoint
 
     export_checkpoint(ckpt, out, **kwargs)
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with no_transformers_warnings():  # the exported config is one transformers accepts as is
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(ids).logits
 

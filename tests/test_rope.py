@@ -296,6 +296,14 @@ def test_export_every_rope_type_loads_without_warnings(base_models, tmp_path):
         with torch.no_grad():
             assert rel(hf(ids).logits, want) < REL_TOL, kind
         assert hf.config.rope_parameters["rope_type"] == kind
+    # The check can fail: llama3 with max_position_embeddings not above its original length
+    # is what transformers warns about (through its logger), and what the export avoids.
+    bad = tmp_path / "llama3" / "hf"
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "max_position_embeddings": ORIG}))
+    with pytest.raises(AssertionError, match="original_max_position_embeddings field must be less than"):
+        with no_transformers_warnings():
+            AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
     # Our own flavor (no source config): the max_position_embeddings rules alone.
     from ulysses_dtensor.models.hf_checkpoint import hf_config_from_args
 

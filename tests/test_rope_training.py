@@ -172,3 +172,41 @@ def test_debug_rope_configs_run_end_to_end(tmp_path):
             AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     assert json.loads((tmp_path / "debug_rope_qwen3_yarn_hf" / "config.json").read_text())[
         "max_position_embeddings"] == 256
+
+
+# Qwen's published config.json of Qwen3-8B (rope theta 1e6, native 32K, no scaling).
+QWEN3_8B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_shipped_context_extension_configs_validate(tmp_path):
+    """The GPU configs validate on 8 ranks with stand-ins of their model directories, and
+    their stages get the ropes their comments promise."""
+    from safetensors.torch import save_file
+    from test_hf_checkpoint import LLAMA31_8B_CONFIG
+
+    from ulysses_dtensor.trainer.config import load_config, model_args, validate_config
+    from ulysses_dtensor.trainer.rope_stages import stage_ropes
+
+    described = {}
+    for name, source in (("llama3_8b_hf_512k", LLAMA31_8B_CONFIG), ("qwen3_8b_hf_yarn_128k", QWEN3_8B_CONFIG)):
+        model_dir = tmp_path / name
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(source))
+        save_file({"stand_in": torch.zeros(1)}, str(model_dir / "model-00001-of-00004.safetensors"))
+        cfg = load_config(["--config", str(REPO / "train_configs" / f"{name}.toml"), "--model.hf_path", str(model_dir)])
+        assert validate_config(cfg, 8).sp == 8
+        assert cfg.eval.lengths == [st.seq_len for st in cfg.stages()]  # [eval] at each stage's length
+        described[name] = [r.describe() for r in stage_ropes(cfg, model_args(cfg, 0))]
+    assert described["llama3_8b_hf_512k"] == [
+        "llama3 theta=500000 factor=8 original_max_position_embeddings=8192 low_freq_factor=1 high_freq_factor=4",
+        "default theta=8e+06", "default theta=1.28e+08"]
+    assert described["qwen3_8b_hf_yarn_128k"] == [
+        "default theta=1e+06", "yarn theta=1e+06 factor=4 original_max_position_embeddings=32768"]
