@@ -385,3 +385,16 @@ def test_stage_ropes_resolve_in_order_from_the_models_own():
     assert ropes[1] == args.rope.with_theta(1e6)
     assert ropes[2] == ropes[3] == RopeConfig(rope_type="yarn", theta=1e6, factor=4.0,
                                               original_max_position_embeddings=64)
+
+
+def test_checkpoints_saved_before_llamaargs_rope_still_export():
+    """model.json of older checkpoints has the llama3-only fields; they map onto RopeConfig."""
+    from ulysses_dtensor.models.llama import FLAVORS, LlamaArgs
+
+    new = dataclasses.asdict(FLAVORS["debug"])
+    old = {k: v for k, v in new.items() if k != "rope"}
+    old.update(rope_theta=500000.0, rope_scaling=True, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+               rope_high_freq_factor=4.0, rope_original_max_len=8192)
+    assert LlamaArgs.from_dict(old) == LlamaArgs.from_dict(new) == FLAVORS["debug"]
+    plain = LlamaArgs.from_dict({**old, "rope_scaling": False, "rope_theta": 1e4})
+    assert plain.rope == RopeConfig(theta=1e4)
