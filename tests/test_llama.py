@@ -229,16 +229,16 @@ def test_init_weights_statistics():
 
 def test_init_weights_blocks_are_sliceable(monkeypatch):
     """The row blocks a shard draws reproduce the rows of the full draw."""
-    import ulysses_dtensor.models.llama as llama
+    import ulysses_dtensor.models.init as init
 
-    monkeypatch.setattr(llama, "_BLOCK_NUMEL", 64 * 5)  # 5 rows of the 64-wide table per block
+    monkeypatch.setattr(init, "_BLOCK_NUMEL", 64 * 5)  # 5 rows of the 64-wide table per block
     full = torch.empty(512, 64)
-    llama._init_param(full, "t", "normal", 1.0, seed=7)
+    init.init_param(full, "t", "normal", 1.0, seed=7)
 
     # A shard holding rows 123..300 (crossing block boundaries) draws only its blocks.
     local = torch.empty(178, 64)
-    monkeypatch.setattr(llama, "_local_region", lambda p: (local, (178, 64), (123, 0)))
-    llama._init_param(full, "t", "normal", 1.0, seed=7)
+    monkeypatch.setattr(init, "_local_region", lambda p: (local, (178, 64), (123, 0)))
+    init.init_param(full, "t", "normal", 1.0, seed=7)
     assert torch.equal(local, full[123:301])
 
 
