@@ -369,7 +369,7 @@ def test_bad_stage_rope_is_one_error_naming_the_stage_and_key():
 
 
 def test_stage_ropes_resolve_in_order_from_the_models_own():
-    from ulysses_dtensor.trainer.config import model_args, parse_config
+    from ulysses_dtensor.trainer.config import ConfigError, model_args, parse_config
     from ulysses_dtensor.trainer.rope_stages import stage_ropes
 
     cfg = parse_config({"model": {"flavor": "debug"}, "context": {"schedule": [
@@ -385,6 +385,13 @@ def test_stage_ropes_resolve_in_order_from_the_models_own():
     assert ropes[1] == args.rope.with_theta(1e6)
     assert ropes[2] == ropes[3] == RopeConfig(rope_type="yarn", theta=1e6, factor=4.0,
                                               original_max_position_embeddings=64)
+    # An implementation that computes fewer types names the stage and what it can take.
+    with pytest.raises(ConfigError, match=r"rope_type of context\.schedule\[0\] \(kept from the model\)='llama3' "
+                                          r"cannot be used by family X; valid: default, yarn"):
+        stage_ropes(cfg, args, rope_types=("default", "yarn"), family="family X")
+    with pytest.raises(ConfigError, match=r"context\.schedule\[2\]\.rope_scaling\.rope_type='yarn' cannot be "
+                                          r"used by family X; valid: default, llama3"):
+        stage_ropes(cfg, args, rope_types=("default", "llama3"), family="family X")
 
 
 def test_checkpoints_saved_before_llamaargs_rope_still_export():

@@ -65,9 +65,10 @@ def stage_ropes(
         elif st.rope_theta is not None:
             rope = rope.with_theta(st.rope_theta)
         if rope.rope_type not in rope_types:
+            where = (f"{key}.rope_scaling.rope_type" if st.rope_scaling is not None
+                     else f"rope_type of {key} (kept from {'the previous stage' if i else 'the model'})")
             raise ConfigError(
-                f"{key}.rope_scaling.rope_type={rope.rope_type!r} cannot be used by {family}; "
-                f"valid: {', '.join(rope_types)}")
+                f"{where}={rope.rope_type!r} cannot be used by {family}; valid: {', '.join(rope_types)}")
         out.append(rope)
     return out
 
