@@ -304,8 +304,23 @@ def test_export_every_rope_type_loads_without_warnings(base_models, tmp_path):
     with pytest.raises(AssertionError, match="original_max_position_embeddings field must be less than"):
         with no_transformers_warnings():
             AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
-    # Our own flavor (no source config): the max_position_embeddings rules alone.
+    # Our own flavor (no source config), trained at 256 tokens, within its llama3 rope's
+    # original 8192 (issue: the export wrote 8192 and transformers warned on every load).
     from ulysses_dtensor.models.hf_checkpoint import hf_config_from_args
+    from ulysses_dtensor.models.llama import llama_args
+
+    own = Llama(llama_args("debug", vocab_size=VOCAB))
+    own.init_weights(seed=3)
+    info = {"args": dataclasses.asdict(own.args), "hf_config": None, "hf_path": None, "tokenizer": "byte",
+            "max_seq_len": 256, "rope": own.rope.to_dict()}
+    ckpt = CheckpointManager(tmp_path / "own" / "ckpt", interval=1).save(
+        1, own, torch.optim.SGD(own.parameters(), lr=0.0), {"step": 1}, model_info=info)
+    out = export_checkpoint(ckpt, tmp_path / "own" / "hf")
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 8 * 8192
+    with no_transformers_warnings():
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel(hf(ids).logits, own(ids)) < REL_TOL
 
     # Trained within the original 16: llama3 needs more than that (factor x original).
     expected = {"default": 12, "linear": 12, "dynamic": ORIG, "yarn": 4 * ORIG, "llama3": 8 * ORIG, "longrope": 12}
