@@ -13,7 +13,8 @@ directories with our code, so transformers is imported once, in this process.
 * loading reads only a rank's shards: peak host memory while loading is bounded
   by its shard, not by the model;
 * export of trained checkpoints (every family, a sharded export, and a model of
-  our own interleaved flavor) loads with ``from_pretrained`` and gives our logits;
+  our own interleaved flavor) loads with ``from_pretrained`` without a warning
+  (Python's or transformers' logger) and gives our logits;
 * the trainer runs ``train_configs/debug_hf.toml`` from an HF directory, resumes
   from its own checkpoint, and its export gives the trained model's logits.
 """
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_ranks
+from transformers_strict import no_transformers_warnings
 from ulysses_dtensor.batch import shard_batch
 from ulysses_dtensor.loss import count_valid_tokens, global_loss
 from ulysses_dtensor.mesh import ParallelDims
@@ -150,8 +152,12 @@ def test_hf_config_errors_name_the_value_and_what_is_supported(families, tmp_pat
     cfg = read_hf_config(families["llama"][0])
     with pytest.raises(HFCheckpointError, match=r"architectures=\['GPT2LMHeadModel'\].*supported: LlamaForCausalLM"):
         args_from_hf_config({**cfg, "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(HFCheckpointError, match=r"rope type 'yarn' is not supported; supported: default, llama3"):
-        args_from_hf_config({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(HFCheckpointError, match=r"rope_parameters\.rope_type is 'su'; valid: default, linear, "
+                                                r"dynamic, yarn, llama3, longrope"):
+        args_from_hf_config({**cfg, "rope_parameters": {"rope_type": "su", "factor": 4.0}})
+    with pytest.raises(HFCheckpointError, match=r"rope_parameters of rope_type 'llama3' lacks low_freq_factor"):
+        args_from_hf_config({**cfg, "rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                                        "high_freq_factor": 4.0}})
     mistral = read_hf_config(families["mistral"][0])
     with pytest.raises(HFCheckpointError, match="sliding_window=4096"):
         args_from_hf_config({**mistral, "sliding_window": 4096})
@@ -319,7 +325,8 @@ def _exported_logits(ckpt: Path, out: Path, ids, **kwargs):
     from ulysses_dtensor.export import export_checkpoint
 
     export_checkpoint(ckpt, out, **kwargs)
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with no_transformers_warnings():  # the exported config is one transformers accepts as is
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(ids).logits
 

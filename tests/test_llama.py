@@ -14,6 +14,7 @@ from ulysses_dtensor.models.llama import (
     FLAVORS,
     Llama,
     LlamaArgs,
+    RopeConfig,
     apply_rope,
     llama_args,
     rope_cos_sin,
@@ -93,7 +94,7 @@ def test_unknown_flavor_and_override():
 
 def test_rope_on_slice_with_global_positions_equals_full_sequence():
     args = llama_args("debug")
-    inv = rope_frequencies(args)
+    inv = rope_frequencies(args.rope, args.head_dim)
     b, s, sp = 2, 64, 4
     q = torch.randn(b, s, args.n_heads, args.head_dim)
     # Packed positions: two documents, restart at 0.
@@ -111,7 +112,7 @@ def test_rope_on_slice_with_global_positions_equals_full_sequence():
 
 def test_rope_is_a_rotation_and_relative():
     args = llama_args("debug")
-    inv = rope_frequencies(args)
+    inv = rope_frequencies(args.rope, args.head_dim)
     q, k = torch.randn(1, 1, 1, args.head_dim), torch.randn(1, 1, 1, args.head_dim)
 
     def rot(x, p):
@@ -126,7 +127,7 @@ def test_rope_is_a_rotation_and_relative():
 
 def test_rope_angles_are_exact_at_a_million_tokens():
     args = llama_args("llama3_8b")
-    inv = rope_frequencies(args)
+    inv = rope_frequencies(args.rope, args.head_dim)
     pos = torch.tensor([[1_048_575, 3_999_999]])
     cos, sin = rope_cos_sin(pos, inv)
     for j in (0, 1, 17, 40):
@@ -137,8 +138,8 @@ def test_rope_angles_are_exact_at_a_million_tokens():
 
 
 def test_rope_scaling_reduces_low_frequencies():
-    scaled = rope_frequencies(llama_args("llama3_8b"))
-    plain = rope_frequencies(llama_args("llama3_8b", rope_scaling=False))
+    scaled = rope_frequencies(llama_args("llama3_8b").rope, 128)
+    plain = rope_frequencies(RopeConfig(theta=500000.0), 128)
     assert scaled.shape == plain.shape == (64,)
     assert torch.equal(plain, 500000.0 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128))
     wavelen = 2 * math.pi / plain
@@ -151,7 +152,7 @@ def test_rope_scaling_reduces_low_frequencies():
     assert (scaled[mid] < plain[mid]).all() and (scaled[mid] > plain[mid] / 8).all()
     assert (scaled[1:] < scaled[:-1]).all()  # still monotonic
     # 1B / 3B (Llama 3.2) use factor 32.
-    assert llama_args("llama3_1b").rope_scaling_factor == 32.0
+    assert llama_args("llama3_1b").rope.factor == 32.0
 
 
 # ---------------------------------------------------------------------------
@@ -228,16 +229,16 @@ def test_init_weights_statistics():
 
 def test_init_weights_blocks_are_sliceable(monkeypatch):
     """The row blocks a shard draws reproduce the rows of the full draw."""
-    import ulysses_dtensor.models.llama as llama
+    import ulysses_dtensor.models.init as init
 
-    monkeypatch.setattr(llama, "_BLOCK_NUMEL", 64 * 5)  # 5 rows of the 64-wide table per block
+    monkeypatch.setattr(init, "_BLOCK_NUMEL", 64 * 5)  # 5 rows of the 64-wide table per block
     full = torch.empty(512, 64)
-    llama._init_param(full, "t", "normal", 1.0, seed=7)
+    init.init_param(full, "t", "normal", 1.0, seed=7)
 
     # A shard holding rows 123..300 (crossing block boundaries) draws only its blocks.
     local = torch.empty(178, 64)
-    monkeypatch.setattr(llama, "_local_region", lambda p: (local, (178, 64), (123, 0)))
-    llama._init_param(full, "t", "normal", 1.0, seed=7)
+    monkeypatch.setattr(init, "_local_region", lambda p: (local, (178, 64), (123, 0)))
+    init.init_param(full, "t", "normal", 1.0, seed=7)
     assert torch.equal(local, full[123:301])
 
 

@@ -106,7 +106,9 @@ def evaluate(argv: list[str]) -> list[dict]:
         step = int(train_state["step"])
         if dist.get_rank() == 0:
             what = checkpoint if checkpoint is not None else f"model.hf_path={cfg.model.hf_path}"
-            print(f"evaluating {what} (step {step}) at {lengths} on dp_replicate={dims.dp_replicate} "
+            rope = getattr(model, "rope", None)
+            print(f"evaluating {what} (step {step}{f', rope {rope.describe()}' if rope else ''}) at "
+                  f"{lengths} on dp_replicate={dims.dp_replicate} "
                   f"dp_shard={dims.dp_shard} sp={dims.sp}: {', '.join(cfg.eval.tasks)}", flush=True)
         result = evaluator.run(step, lengths)
         writer = None

@@ -4,8 +4,11 @@
         [--dtype bfloat16] [--max-shard-size 5GB]
 
 Writes ``OUT/config.json`` (the source model's config when the run started from
-``model.hf_path``, with ``max_position_embeddings`` raised to the longest
-trained sequence; else one built from the model args), ``model.safetensors`` or
+``model.hf_path``, else one built from the model args) with the rope the
+checkpoint was trained with last (its context stage's: after a schedule of rope
+changes, the last stage's) and ``max_position_embeddings`` = the longest trained
+sequence or the source's when larger, adjusted as the rope type needs
+(``hf_checkpoint.hf_rope_fields``), ``model.safetensors`` or
 ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, and the
 tokenizer files of the source directory (or the trained ``tokenizer.json``).
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads the result.
@@ -35,8 +38,10 @@ from .models.hf_checkpoint import (
     quiet_single_process,
     require_safetensors,
     rope_rows,
+    write_hf_rope,
 )
 from .models.llama import Llama, LlamaArgs
+from .models.rope import RopeConfig
 from .trainer.checkpoint import COMPLETE_MARKER, MODEL_INFO_FILE
 
 __all__ = ["export_checkpoint", "main", "parse_size"]
@@ -113,7 +118,7 @@ def export_checkpoint(
 
     ckpt, out = Path(checkpoint), Path(out)
     info = _read_info(ckpt)
-    args = LlamaArgs(**info["args"])
+    args = LlamaArgs.from_dict(info["args"])
     source = info.get("hf_config")
     dtype = dtype or (source or {}).get("dtype") or (source or {}).get("torch_dtype") or "float32"
     if dtype not in DTYPES:
@@ -153,19 +158,25 @@ def export_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
+    # The rope the checkpoint was trained with last (its context stage's), and the
+    # longest sequence trained up to it.
+    rope = RopeConfig.from_dict(info["rope"]) if info.get("rope") else args.rope
     max_len = int(info.get("max_seq_len") or 0)
+    note = None
     if source is not None:
         config = dict(source)
-        config["max_position_embeddings"] = max(int(config.get("max_position_embeddings") or 0), max_len)
+        note = write_hf_rope(config, rope, trained_len=max_len)
     else:
-        config = hf_config_from_args(args, max_position_embeddings=max(max_len, 8192))
+        config = hf_config_from_args(args, rope=rope, trained_len=max_len)
     # "dtype" is what transformers 5 reads, "torch_dtype" what 4.x (and tools built on it) read.
     config.update(dtype=dtype, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     copied = _copy_tokenizer(info, out)
     print(
         f"exported {ckpt} -> {out}: {len(names)} tensors, {total / 1e6:.1f} MB {dtype} in "
-        f"{n_files} file(s); tokenizer files: {', '.join(copied) or 'none'}"
+        f"{n_files} file(s); rope {rope.describe()}, max_position_embeddings "
+        f"{config['max_position_embeddings']}; tokenizer files: {', '.join(copied) or 'none'}"
+        + (f"\nnote: {note}" if note else "")
     )
     return out
 

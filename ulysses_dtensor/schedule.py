@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Stage", "ContextSchedule", "LRSchedule", "DECAYS"]
 
@@ -28,10 +28,22 @@ DECAYS = ("linear", "cosine", "none")
 
 @dataclass(frozen=True)
 class Stage:
-    """From ``start_step`` (1-based) on, train on sequences of ``seq_len`` tokens."""
+    """From ``start_step`` (1-based) on, train on sequences of ``seq_len`` tokens.
+
+    ``rope_theta`` / ``rope_scaling`` (a table in transformers' ``rope_parameters``
+    form) change the model's rope from this stage on; None keeps the previous
+    stage's. They are resolved against the model's own rope by the trainer
+    (``trainer/rope_stages.py``).
+    """
 
     start_step: int
     seq_len: int
+    rope_theta: float | None = None
+    rope_scaling: dict | None = field(default=None, hash=False)
+
+    @property
+    def sets_rope(self) -> bool:
+        return self.rope_theta is not None or self.rope_scaling is not None
 
 
 class ContextSchedule:

@@ -2,7 +2,8 @@
 and sharded loading of ``*.safetensors`` into a (possibly FSDP2-sharded) Llama.
 
 Supported families: Llama 3.x, Mistral, Qwen2 / Qwen2.5, Qwen3 -- decoders with
-SwiGLU MLPs, RMSNorm, GQA and rope of type ``default`` or ``llama3``. A model
+SwiGLU MLPs, RMSNorm, GQA and every rope type transformers computes (``default``,
+``linear``, ``dynamic``, ``yarn``, ``llama3``, ``longrope``; ``models/rope.py``). A model
 built from their config uses ``rope_layout="half"``: HF stores q/k projections
 for the rotate-half layout, so the weights load unpermuted and every FSDP shard
 is a plain row range of the file's tensor. Our own flavors use Meta's
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from .llama import LlamaArgs
+from .rope import ROPE_TYPES, RopeConfig, RopeError
 
 __all__ = [
     "HF_EXTRA_MSG",
@@ -41,11 +43,14 @@ __all__ = [
     "checkpoint_tensor_shapes",
     "hf_config_from_args",
     "hf_names",
+    "hf_rope_fields",
     "interleaved_to_half",
     "load_hf_weights",
     "read_hf_config",
     "require_safetensors",
+    "rope_from_hf_config",
     "safetensors_files",
+    "write_hf_rope",
 ]
 
 HF_EXTRA_MSG = (
@@ -60,8 +65,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",  # Qwen2, Qwen2.5: q/k/v bias
     "Qwen3ForCausalLM": "qwen3",  # q/k RMSNorm, own head_dim
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+SUPPORTED_ROPE_TYPES = ROPE_TYPES  # every rope type transformers computes for these families
 # Buffers some old checkpoints carry; recomputed here, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -110,32 +114,90 @@ def _architecture(cfg: dict, where: str) -> str:
     return SUPPORTED_ARCHITECTURES[arch]
 
 
-def _rope(cfg: dict, where: str) -> dict:
-    """The LlamaArgs rope fields. transformers 5 writes ``rope_parameters`` (theta
-    inside); checkpoints written by 4.x carry ``rope_theta`` + ``rope_scaling``."""
-    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise HFCheckpointError(
-            f"{where}: rope type {kind!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise HFCheckpointError(f"{where}: partial_rotary_factor != 1 is not supported")
-    out = {"rope_theta": float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))}
-    if kind == "default":
-        return {**out, "rope_scaling": False}
-    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in rope]
-    if missing:
-        raise HFCheckpointError(f"{where}: llama3 rope parameters lack {missing}")
-    return {
-        **out,
-        "rope_scaling": True,
-        "rope_scaling_factor": float(rope["factor"]),
-        "rope_low_freq_factor": float(rope["low_freq_factor"]),
-        "rope_high_freq_factor": float(rope["high_freq_factor"]),
-        "rope_original_max_len": int(rope["original_max_position_embeddings"]),
-    }
+def rope_from_hf_config(cfg: dict, *, where: str = "config.json", head_dim: int | None = None) -> RopeConfig:
+    """The rope of an HF config, as transformers 5 standardizes it.
+
+    transformers 5 writes ``rope_parameters`` (theta inside); 4.x wrote
+    ``rope_theta`` + ``rope_scaling`` (``type`` for ``rope_type``). ``llama3`` /
+    ``yarn`` / ``longrope`` without an original length take
+    ``max_position_embeddings`` (a top-level ``original_max_position_embeddings``
+    wins, as for Phi-3); ``dynamic`` grows beyond ``max_position_embeddings``;
+    ``longrope`` without ``factor`` has ``max_position_embeddings / original``.
+    """
+    table = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if "type" in table:
+        table.setdefault("rope_type", table.pop("type"))
+    table.setdefault("rope_type", "default")
+    if table.get("rope_theta") is None:
+        table["rope_theta"] = cfg.get("rope_theta") or 10000.0
+    if "partial_rotary_factor" in cfg:
+        table.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    max_pos = cfg.get("max_position_embeddings")
+    if table["rope_type"] in ("llama3", "yarn", "longrope"):
+        if cfg.get("original_max_position_embeddings"):
+            table["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        elif table.get("original_max_position_embeddings") is None and max_pos:
+            table["original_max_position_embeddings"] = max_pos
+    if table["rope_type"] == "dynamic":
+        table.pop("original_max_position_embeddings", None)  # transformers reads max_position_embeddings
+    if table["rope_type"] == "yarn" and table.get("factor") is None and max_pos and table.get(
+            "original_max_position_embeddings"):
+        table["factor"] = max_pos / table["original_max_position_embeddings"]
+    try:
+        return RopeConfig.from_parameters(table, where=f"{where}: rope_parameters", head_dim=head_dim,
+                                          max_position_embeddings=max_pos)
+    except RopeError as e:
+        raise HFCheckpointError(str(e)) from None
+
+
+def hf_rope_fields(
+    rope: RopeConfig, *, trained_len: int, source: dict | None = None
+) -> tuple[dict, str | None]:
+    """(config.json fields, a note or None) that make transformers compute ``rope``.
+
+    ``max_position_embeddings`` is the longest trained sequence, or the source
+    config's when larger, then what the rope type needs to load without a
+    warning: ``llama3`` more than its original length (``factor x original``
+    when the run stayed within it); ``yarn`` exactly ``factor x original``, the
+    length it extends to (if training went beyond that, the longest trained, and
+    transformers will warn: the note says so); ``dynamic`` its original length,
+    which is that type's parameter in transformers. The source config's spelling is kept (``rope_parameters``, or
+    ``rope_theta`` + ``rope_scaling`` as transformers 4.x and vLLM read them).
+    """
+    source = source or {}
+    trained = int(trained_len or 0)
+    max_pos, note = max(trained, int(source.get("max_position_embeddings") or 0)), None
+    orig = rope.original_max_position_embeddings
+    if rope.rope_type == "llama3" and max_pos <= orig:
+        max_pos = int(round(rope.factor * orig))
+    elif rope.rope_type == "yarn":
+        extended = int(round(rope.factor * orig))
+        max_pos = max(extended, trained)
+        if trained > extended:
+            note = (f"max_position_embeddings={trained} (the longest trained) exceeds the yarn rope's "
+                    f"factor x original_max_position_embeddings = {extended}: transformers will log a "
+                    "warning on load (the model computes the same)")
+    elif rope.rope_type == "dynamic":
+        max_pos = orig
+    params = rope.parameters()
+    fields: dict = {"max_position_embeddings": max_pos}
+    if "rope_parameters" in source and source.get("rope_parameters") is not None:
+        fields.update(rope_parameters=params)
+    else:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        fields.update(rope_theta=rope.theta, rope_scaling=None if rope.rope_type == "default" else scaling)
+    return fields, note
+
+
+def write_hf_rope(config: dict, rope: RopeConfig, *, trained_len: int) -> str | None:
+    """Put ``rope`` and ``max_position_embeddings`` into the HF ``config`` dict in place
+    (every older rope key removed); return :func:`hf_rope_fields`' note."""
+    fields, note = hf_rope_fields(rope, trained_len=trained_len, source=config)
+    for key in ("rope_parameters", "rope_scaling", "rope_theta", "original_max_position_embeddings",
+                "partial_rotary_factor"):
+        config.pop(key, None)
+    config.update(fields)
+    return note
 
 
 def _reject_unsupported(cfg: dict, family: str, where: str) -> None:
@@ -180,6 +242,7 @@ def args_from_hf_config(cfg: dict, *, attn_backend: str = "auto", where: str = "
         )
     except KeyError as e:
         raise HFCheckpointError(f"{where} lacks {e.args[0]!r}") from None
+    rope = rope_from_hf_config(cfg, where=where, head_dim=fields["explicit_head_dim"])
     try:
         return LlamaArgs(
             **fields,
@@ -189,14 +252,18 @@ def args_from_hf_config(cfg: dict, *, attn_backend: str = "auto", where: str = "
             rope_layout="half",
             qkv_bias=family == "qwen2",
             qk_norm=family == "qwen3",
-            **_rope(cfg, where),
+            rope=rope,
         )
     except ValueError as e:
         raise HFCheckpointError(f"{where}: {e}") from None
 
 
-def hf_config_from_args(args: LlamaArgs, *, max_position_embeddings: int = 8192) -> dict:
-    """An HF config dict for a model trained from our args (no source config)."""
+def hf_config_from_args(args: LlamaArgs, *, rope: RopeConfig | None = None, trained_len: int = 0) -> dict:
+    """An HF config dict for a model trained from our args (no source config).
+
+    ``rope``: the rope the model was trained with last (default ``args.rope``);
+    ``trained_len``: the longest trained sequence (see :func:`hf_rope_fields`).
+    """
     if args.qkv_bias and args.qk_norm:
         raise HFCheckpointError("no supported HF architecture has both q/k/v bias and q/k norm")
     arch, model_type = "LlamaForCausalLM", "llama"
@@ -204,17 +271,7 @@ def hf_config_from_args(args: LlamaArgs, *, max_position_embeddings: int = 8192)
         arch, model_type = "Qwen2ForCausalLM", "qwen2"
     elif args.qk_norm:
         arch, model_type = "Qwen3ForCausalLM", "qwen3"
-    scaling = None
-    if args.rope_scaling:
-        scaling = {
-            "rope_type": "llama3",
-            "factor": args.rope_scaling_factor,
-            "low_freq_factor": args.rope_low_freq_factor,
-            "high_freq_factor": args.rope_high_freq_factor,
-            "original_max_position_embeddings": args.rope_original_max_len,
-        }
-    # rope_theta + rope_scaling: the 4.x spelling, which transformers 5 and vLLM read.
-    return {
+    config = {
         "architectures": [arch],
         "model_type": model_type,
         "hidden_size": args.dim,
@@ -225,13 +282,13 @@ def hf_config_from_args(args: LlamaArgs, *, max_position_embeddings: int = 8192)
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": scaling,
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
-        "max_position_embeddings": max_position_embeddings,
     }
+    # rope_theta + rope_scaling: the 4.x spelling, which transformers 5 and vLLM read.
+    write_hf_rope(config, rope or args.rope, trained_len=trained_len)
+    return config
 
 
 # ---------------------------------------------------------------------------

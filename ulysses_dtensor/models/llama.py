@@ -28,7 +28,6 @@ Typical life cycle::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -41,8 +40,9 @@ from ..loss import sp_cross_entropy
 from ..mesh import ring_degree
 from ..ring_layout import layout_position_ids
 from ..suggest import unknown_name
+from .init import init_param
 from .norm import RMSNorm
-from .rope import ROPE_LAYOUTS, apply_rope, rope_cos_sin, rope_frequencies
+from .rope import LLAMA31_ROPE, ROPE_LAYOUTS, RopeConfig, apply_rope, rope_cos_sin, rope_frequencies
 from ..tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "ROPE_LAYOUTS",
     "Llama",
     "LlamaArgs",
+    "RopeConfig",
     "apply_rope",
     "llama_args",
     "rope_cos_sin",
@@ -66,17 +67,12 @@ class LlamaArgs:
     vocab_size: int
     ffn_dim: int
     norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    # Llama-3.1 long-context frequency scaling (off: plain rope with rope_theta).
-    rope_scaling: bool = True
+    # The rope the model starts with (any transformers rope type; models/rope.py).
+    # Llama 3.1's llama3 scaling by default; the tied Llama 3.2 1B/3B use factor 32.
+    # A run may change it per context stage (Llama.set_rope); weights do not depend on it.
+    rope: RopeConfig = LLAMA31_ROPE
     tie_embeddings: bool = False
     attn_backend: str = "auto"
-    # Parameters of the Llama-3.1 scaling. Llama 3.1 uses factor 8; the tied
-    # Llama 3.2 1B/3B checkpoints use factor 32.
-    rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
     # Which q/k dims rope rotates together: "interleaved" pairs (2i, 2i+1)
     # (Meta's layout, our flavors) or "half" pairs (i, i + head_dim/2) (the
     # rotate-half layout of Hugging Face checkpoints, loaded unpermuted).
@@ -89,6 +85,8 @@ class LlamaArgs:
 
     def __post_init__(self) -> None:
         check_backend(self.attn_backend)
+        if isinstance(self.rope, dict):  # from dataclasses.asdict / model.json
+            self.rope = RopeConfig.from_dict(self.rope)
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -114,10 +112,31 @@ class LlamaArgs:
                 f"LlamaArgs.n_heads={self.n_heads} must be a multiple of "
                 f"n_kv_heads={self.n_kv_heads} (GQA)"
             )
+        self.rope.check_head_dim(self.head_dim, "LlamaArgs.rope")
 
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaArgs:
+        """From ``dataclasses.asdict`` (a checkpoint's model.json), including those
+        written before ``rope`` replaced the llama3-only fields."""
+        d = dict(d)
+        legacy = {k: d.pop(k) for k in _LEGACY_ROPE_FIELDS if k in d}
+        if legacy and "rope" not in d:
+            theta = float(legacy.get("rope_theta", 500000.0))
+            d["rope"] = RopeConfig(theta=theta) if not legacy.get("rope_scaling", True) else RopeConfig(
+                rope_type="llama3", theta=theta, factor=float(legacy.get("rope_scaling_factor", 8.0)),
+                low_freq_factor=float(legacy.get("rope_low_freq_factor", 1.0)),
+                high_freq_factor=float(legacy.get("rope_high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(legacy.get("rope_original_max_len", 8192)))
+        return cls(**d)
+
+
+# LlamaArgs fields of checkpoints saved before LlamaArgs.rope (llama3 rope or none).
+_LEGACY_ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
+                       "rope_high_freq_factor", "rope_original_max_len")
 
 
 FLAVORS: dict[str, LlamaArgs] = {
@@ -132,11 +151,11 @@ FLAVORS: dict[str, LlamaArgs] = {
     # Llama 3.2 1B / 3B (tied embeddings, rope scaling factor 32).
     "llama3_1b": LlamaArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
-        tie_embeddings=True, rope_scaling_factor=32.0,
+        tie_embeddings=True, rope=dataclasses.replace(LLAMA31_ROPE, factor=32.0),
     ),
     "llama3_3b": LlamaArgs(
         dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256, ffn_dim=8192,
-        tie_embeddings=True, rope_scaling_factor=32.0,
+        tie_embeddings=True, rope=dataclasses.replace(LLAMA31_ROPE, factor=32.0),
     ),
     # Llama 3.1 8B / 70B.
     "llama3_8b": LlamaArgs(
@@ -281,6 +300,44 @@ class Llama(nn.Module):
         # Set by parallelize_llama when sp > 1: default position ids are then
         # this rank's global offsets.
         self.sp_mesh = None
+        # The rope in effect (set_rope changes it at a context stage boundary).
+        self.rope: RopeConfig = args.rope
+        # For length-dependent ropes (dynamic, longrope): the sequence length L that
+        # chooses the frequencies. None: 1 + the largest position id of this forward's
+        # batch over every sp rank (transformers' rule). The trainer pins it to the
+        # step's GLOBAL batch so every mesh and micro-batch split uses the same L.
+        self.rope_seq_len: int | None = None
+
+    # -- rope ----------------------------------------------------------------
+
+    def set_rope(self, rope: RopeConfig) -> None:
+        """Use ``rope`` from the next forward on (weights untouched).
+
+        The one entry point the trainer calls at a context stage boundary and
+        on resume; a model of another implementation offers the same method.
+        """
+        if not isinstance(rope, RopeConfig):
+            raise TypeError(f"set_rope takes a RopeConfig, got {type(rope).__name__}")
+        rope.check_head_dim(self.args.head_dim)
+        self.rope = rope
+
+    def _rope_length(self, position_ids: Tensor) -> int:
+        if self.rope_seq_len is not None:
+            return self.rope_seq_len
+        longest = position_ids.max().reshape(1)
+        if self.sp_mesh is not None and self.sp_mesh.size() > 1:
+            # A rank's slice alone would give each rank other frequencies.
+            import torch.distributed as dist
+
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.sp_mesh.get_group())
+        return int(longest.item()) + 1
+
+    def rope_cos_sin(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """float32 ``cos, sin`` ``(B, s, head_dim/2)`` of the rope in effect at ``position_ids``."""
+        rope = self.rope
+        seq_len = self._rope_length(position_ids) if rope.length_dependent else None
+        inv_freq = rope_frequencies(rope, self.args.head_dim, seq_len, position_ids.device)
+        return rope_cos_sin(position_ids, inv_freq, rope.attention_scaling)
 
     # -- forward -------------------------------------------------------------
 
@@ -317,7 +374,7 @@ class Llama(nn.Module):
                 f"position_ids {tuple(position_ids.shape)} must match input_ids "
                 f"{tuple(input_ids.shape)} (both this rank's slice)"
             )
-        cos, sin = rope_cos_sin(position_ids, rope_frequencies(self.args, input_ids.device))
+        cos, sin = self.rope_cos_sin(position_ids)
         h = self.tok_embeddings(input_ids)
         for layer in self.layers.values():
             h = layer(h, cos, sin, document_ids)
@@ -426,67 +483,4 @@ class Llama(nn.Module):
         if missing:
             raise RuntimeError(f"init_weights has no rule for parameters {missing}")
         for name, param, kind, std in plan:
-            _init_param(param, name, kind, std, seed)
-
-
-# ---------------------------------------------------------------------------
-# Mesh-independent initialisation
-# ---------------------------------------------------------------------------
-
-_BLOCK_NUMEL = 1 << 22  # elements drawn per generator (16 MiB of float32)
-
-
-def _block_seed(seed: int, name: str, block: int) -> int:
-    digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def _local_region(param: Tensor) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
-    """(local tensor, local shape, global offset) of a plain or DTensor parameter."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(
-            param.shape, param.device_mesh, param.placements
-        )
-        return param.to_local(), tuple(shape), tuple(offset)
-    return param, tuple(param.shape), (0,) * param.dim()
-
-
-def _init_param(param: Tensor, name: str, kind: str, std: float, seed: int) -> None:
-    local, shape, offset = _local_region(param)
-    if local.device.type == "meta":
-        raise RuntimeError(
-            f"init_weights: parameter {name} is on the meta device; call "
-            "model.to_empty(device=...) first"
-        )
-    if kind in ("ones", "zeros"):
-        local.fill_(1.0 if kind == "ones" else 0.0)
-        return
-    if local.numel() == 0:
-        return
-    full_shape = tuple(param.shape)
-    row_numel = math.prod(full_shape[1:])
-    rows_per_block = max(1, _BLOCK_NUMEL // max(row_numel, 1))
-    start, stop = offset[0], offset[0] + shape[0]
-    gen = torch.Generator(device=local.device)
-    pieces = []
-    for block in range(start // rows_per_block, (stop - 1) // rows_per_block + 1):
-        b0 = block * rows_per_block
-        b1 = min(b0 + rows_per_block, full_shape[0])
-        gen.manual_seed(_block_seed(seed, name, block))
-        buf = torch.empty((b1 - b0, *full_shape[1:]), dtype=torch.float32, device=local.device)
-        if kind == "normal":
-            buf.normal_(0.0, std, generator=gen)
-        elif kind == "trunc_normal":
-            nn.init.trunc_normal_(buf, 0.0, std, -3 * std, 3 * std, generator=gen)
-        else:
-            raise ValueError(f"unknown init kind {kind!r}")
-        pieces.append(buf[max(start, b0) - b0 : min(stop, b1) - b0])
-    rows = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    # Shards along other dims (not FSDP's default, but any placement works).
-    for d in range(1, len(full_shape)):
-        rows = rows.narrow(d, offset[d], shape[d])
-    local.copy_(rows)
+            init_param(param, name, kind, std, seed)

@@ -122,7 +122,8 @@ def _type_name(tp) -> str:
     if tp == list[str]:
         return "a list of strings"
     if tp == list[Stage]:
-        return "a list of {start_step = <int>, seq_len = <int>} tables"
+        return ("a list of {start_step = <int>, seq_len = <int>} tables (optional rope_theta, "
+                "rope_scaling)")
     return str(tp)
 
 
@@ -174,18 +175,33 @@ def _coerce_stage(value, key: str) -> Stage:
             f"config key {key} must be a table {{start_step = <int>, seq_len = <int>}}, "
             f"got {value!r}"
         )
-    names = ("start_step", "seq_len")
+    names = ("start_step", "seq_len", "rope_theta", "rope_scaling")
     for k in value:
         if k not in names:
             raise ConfigError(
                 f"unknown key {k!r} in {key}{_suggest(k, names)}; valid: {', '.join(names)}"
             )
-    for k in names:
+    for k in names[:2]:
         if k not in value:
             raise ConfigError(f"{key} is missing {k!r} (a stage is {{start_step, seq_len}})")
+    theta = value.get("rope_theta")
+    if theta is not None:
+        theta = _coerce(theta, float, f"{key}.rope_theta")
+        if theta <= 0:
+            raise ConfigError(f"{key}.rope_theta={theta:g} must be > 0")
+    scaling = value.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ConfigError(
+            f"{key}.rope_scaling must be a table {{rope_type = \"yarn\", factor = 4.0, ...}} "
+            f"(transformers' rope_parameters form), got {scaling!r}"
+        )
+    # The table's own checks need the model (head_dim, max_position_embeddings):
+    # trainer/rope_stages.py runs them in validate_config.
     return Stage(
         start_step=_coerce(value["start_step"], int, f"{key}.start_step"),
         seq_len=_coerce(value["seq_len"], int, f"{key}.seq_len"),
+        rope_theta=theta,
+        rope_scaling=dict(scaling) if scaling is not None else None,
     )
 
 

@@ -100,7 +100,10 @@ EFFECT_RULES: list[EffectRule] = [
     *(EffectRule(f"model.{k}", ("model.hf_path",), lambda c: not c.model.hf_path,
                  "with model.hf_path the model's shapes, vocabulary and rope come from its "
                  "config.json")
-      for k in HF_IGNORED_MODEL_KEYS),
+      for k in HF_IGNORED_MODEL_KEYS if k != "rope_theta"),
+    EffectRule("model.rope_theta", ("model.hf_path",), lambda c: not c.model.hf_path,
+               "with model.hf_path the starting rope comes from its config.json; change it per "
+               "stage with context.schedule[i].rope_theta / rope_scaling"),
 ]
 
 
@@ -272,6 +275,9 @@ def validate_config(cfg: JobConfig, world_size: int):
                 "pip install 'ulysses-dtensor[tensorboard]'"
             ) from None
     args = model_args(cfg, vocab_size=cfg.model.vocab_size or 256)
+    from .rope_stages import stage_ropes
+
+    stage_ropes(cfg, args)  # every stage's rope_theta / rope_scaling (ConfigError)
     from ..ulysses import kv_replication
 
     try:
@@ -349,9 +355,11 @@ def model_args(cfg: JobConfig, vocab_size: int):
         )
     overrides = {
         k: getattr(m, k)
-        for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta")
+        for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
         if getattr(m, k)
     }
+    if m.rope_theta:  # the base of the flavor's own rope type
+        overrides["rope"] = FLAVORS[m.flavor].rope.with_theta(m.rope_theta)
     try:
         return llama_args(m.flavor, vocab_size=vocab_size, attn_backend=m.attn_backend, **overrides)
     except (TypeError, ValueError) as e:

@@ -117,7 +117,10 @@ class LRScheduler:
 class Context:
     schedule: list[Stage] = _f(
         [], "progressive context length: stages {start_step, seq_len}; the first starts "
-        "at step 1 (empty: training.seq_len for the whole run)")
+        "at step 1 (empty: training.seq_len for the whole run). A stage may also set "
+        "rope_theta and/or rope_scaling = {rope_type = 'default'|'linear'|'dynamic'|'yarn'|"
+        "'llama3'|'longrope', <its parameters>} (TOML only); a stage without them keeps "
+        "the previous stage's rope")
     constant_tokens_per_step: bool = _f(
         False, "keep tokens per step constant across stages (sequences = tokens_per_step "
         "/ seq_len) instead of a constant number of sequences")
@@ -271,7 +274,8 @@ def _fmt_default(value) -> str:
         return "true" if value else "false"
     if isinstance(value, list):
         if value and isinstance(value[0], Stage):
-            return ",".join(f"{s.start_step}:{s.seq_len}" for s in value)
+            return ",".join(f"{s.start_step}:{s.seq_len}" + (" (rope)" if s.sets_rope else "")
+                            for s in value)
         return ",".join(map(str, value)) or "[]"
     return repr(value)
 

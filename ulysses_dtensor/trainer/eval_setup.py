@@ -151,7 +151,8 @@ def model_for_eval(cfg: JobConfig, pmesh, device: torch.device, vocab_size: int,
     any mesh); None: the Hugging Face model of ``model.hf_path`` itself (its
     safetensors, read shard by shard), e.g. the base model before a context
     extension. Returns ``(model, train_state)``; ``train_state`` is the
-    checkpoint's (``{"step": 0}`` for an HF model).
+    checkpoint's (``{"step": 0}`` for an HF model). A checkpoint's model gets the
+    rope it trained with (its context stage's).
     """
     from .checkpoint import load_model_weights
     from .loop import build_model
@@ -161,7 +162,21 @@ def model_for_eval(cfg: JobConfig, pmesh, device: torch.device, vocab_size: int,
     model = build_model(cfg, pmesh, vocab_size, device, init_weights=False)
     load_model_weights(checkpoint, model)
     with open(Path(checkpoint) / "train_state.json") as fh:
-        return model, json.load(fh)
+        state = json.load(fh)
+    model.set_rope(_trained_rope(cfg, model, state))
+    return model, state
+
+
+def _trained_rope(cfg: JobConfig, model, state: dict):
+    """The rope the checkpoint trained with (recorded, else its step's stage in ``cfg``)."""
+    from ..models.rope import RopeConfig
+    from .rope_stages import stage_ropes
+
+    saved = state.get("context", {}).get("rope")
+    if saved is not None:
+        return RopeConfig.from_dict(saved)
+    step = max(1, int(state.get("step", 1)))
+    return stage_ropes(cfg, model.args)[cfg.context_schedule().stage_index(step)]
 
 
 def find_checkpoint(path: str | Path) -> Path:

@@ -1,9 +1,10 @@
 """Starting a run from a Hugging Face model directory (``model.hf_path``).
 
-With ``hf_path`` the model's shapes, vocabulary and rope come from
-``DIR/config.json`` and its weights from ``DIR/*.safetensors`` (loaded after
-parallelize + ``to_empty``, in place of ``init_weights``; a resumed run takes
-them from its own checkpoint instead). The tokenizer is ``DIR/tokenizer.json``
+With ``hf_path`` the model's shapes, vocabulary and starting rope (context
+stages may change it: ``rope_stages.py``) come from ``DIR/config.json`` and
+its weights from ``DIR/*.safetensors`` (loaded after parallelize +
+``to_empty``, in place of ``init_weights``; a resumed run takes them from its
+own checkpoint instead). The tokenizer is ``DIR/tokenizer.json``
 unless ``data.tokenizer`` is given. The [model] keys that then have no effect
 are checked like every such key (``config_checks.EFFECT_RULES``): an error when
 the user set them in the same or a later source than ``hf_path``.

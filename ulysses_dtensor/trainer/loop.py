@@ -30,6 +30,7 @@ from ..comm_timing import ExchangeTimer, exchange_metrics
 from ..runtime import finish_together, process_group_backend
 from ..data import PackedLoader, TokenStream, build_source, build_tokenizer, padded_vocab_size
 from ..loss import count_valid_tokens, global_loss
+from ..models.rope import RopeConfig
 from ..schedule import LRSchedule
 from .checkpoint import CheckpointManager
 from ..data_checks import DataError, check_corpus
@@ -37,6 +38,7 @@ from .config import ConfigError, JobConfig, inactive_settings, model_args, valid
 from .eval_setup import PeriodicEval, check_eval_setup, held_out_error, split_for_eval
 from .hf_start import model_info, tokenizer_spec
 from .metrics import MetricsLogger
+from .rope_stages import global_rope_length, rope_banner, rope_row, stage_ropes, trained_rope_info
 from .step import build_optimizer, train_step
 
 __all__ = ["train", "init_distributed", "resolve_vocab_size"]
@@ -219,6 +221,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
     stream = TokenStream(source, tokenizer, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
     loader = PackedLoader(stream, dp_rank=pmesh.dp_rank, dp_size=dims.dp)
     info = model_info(cfg, model.args)
+    ropes = stage_ropes(cfg, model.args)  # each stage's rope (checked in validate_config)
 
     start_step = 0
     if ckpt.enable:
@@ -231,6 +234,13 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
                 _print0(
                     f"warning: checkpoint step {start_step} trained at seq_len {saved}, this "
                     f"config's schedule says {schedule.seq_len(start_step)}"
+                )
+            saved_rope = state.get("context", {}).get("rope")
+            if saved_rope is not None and saved_rope != ropes[schedule.stage_index(start_step)].to_dict():
+                _print0(
+                    f"warning: checkpoint step {start_step} trained with rope "
+                    f"{RopeConfig.from_dict(saved_rope).describe()}, this config's schedule says "
+                    f"{ropes[schedule.stage_index(start_step)].describe()}"
                 )
             _print0(f"resumed from {ckpt.path(latest)} (step {start_step}, "
                     f"{loader.tokens_seen} tokens seen)")
@@ -253,6 +263,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
         f"  data {cfg.data.path or 'built-in stdlib corpus'}: {len(source)} documents; "
         f"{schedule}\n"
+        f"{rope_banner(schedule, ropes)}\n"
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
         f"  {_eval_banner(cfg, held_out)}; {_timing_banner(cfg, dims.sp, timer is not None)}"
         + "".join(f"\n  not in effect: {note}" for note in inactive_settings(cfg))
@@ -285,6 +296,11 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
     for step in range(start_step + 1, cfg.training.steps + 1):
         t0 = time.perf_counter()
         seq_len, batch_size = schedule.seq_len(step), schedule.batch_size(step)
+        rope = ropes[schedule.stage_index(step)]
+        if model.rope != rope:  # a stage boundary, or the first step (resumed too)
+            if step > start_step + 1:
+                _print0(f"step {step}: rope -> {rope.describe()}")
+            model.set_rope(rope)
         batch = loader.next_batch(batch_size, seq_len)
         local = shard_batch(batch, pmesh.sp, pad=False)
         local = {k: None if v is None else v.to(device) for k, v in local.items()}
@@ -292,6 +308,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         n_valid = count_valid_tokens(local["labels"], pmesh.loss)
 
         lr = cfg.optimizer.lr * lr_schedule(step)
+        if rope.length_dependent:  # dynamic / longrope: L of the whole global batch
+            model.rope_seq_len = global_rope_length(local["position_ids"], pmesh.loss)
         with timer.active() if timer is not None else contextlib.nullcontext():
             loss_sum, grad_norm = train_step(
                 model,
@@ -303,6 +321,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
                 lr=lr,
                 params=params,
             )
+        model.rope_seq_len = None  # evaluation forwards take their own batch's length
 
         loss_value = global_loss(loss_sum, pmesh.loss).item()
         grad_norm = float(grad_norm)
@@ -319,7 +338,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
             step_tokens=batch_size * seq_len,
             step_time=step_time,
             # Read after the loss was fetched: on CUDA the exchange events are done.
-            extra=exchange_metrics(timer.read(), step_time) if timer is not None else None,
+            extra={**rope_row(rope),
+                   **(exchange_metrics(timer.read(), step_time) if timer is not None else {})},
         )
         if row is not None:
             rows.append(row)
@@ -339,11 +359,12 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
                         "stage": schedule.stage_index(step),
                         "seq_len": seq_len,
                         "batch_size": batch_size,
+                        "rope": rope.to_dict(),
                     },
                     "lr_scheduler": {"step": step, "lr": lr},
                     "tokens_seen": loader.tokens_seen,
                 },
-                model_info=info,
+                model_info={**info, **trained_rope_info(schedule, ropes, step)},
             )
             _print0(f"saved checkpoint {ckpt.path(step)}")
     metrics.close()
