@@ -1,9 +1,9 @@
-"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5) under Ulysses SP equal the model unsharded.
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) under Ulysses SP equal the model unsharded.
 
 Tiny random configs in fp32: a gated delta-net layer (4 key heads, 8 value
 heads, key dim 8, value dim 16: the exchange carries tensors of three head
 dims) and a full-attention layer (q projected twice as wide for its output
-gate), MoE MLPs for Qwen3-Next. Two global batches of 2 rows x 149 tokens
+gate), MoE MLPs for Qwen3-Next and Qwen3.5-MoE. Two global batches of 2 rows x 149 tokens
 (149 is not a multiple of 2 or 4: every mesh pads; three recurrence chunks of
 64): packed documents starting mid-chunk and exactly at a chunk start, and one
 document per row. The reference is transformers' own unsharded model, each
@@ -50,22 +50,25 @@ COMMON = dict(
     linear_value_head_dim=V_DIM, linear_conv_kernel_dim=4, max_position_embeddings=256,
     attention_dropout=0.0, tie_word_embeddings=False, initializer_range=0.1,
 )
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+# Qwen3.5's multimodal rope sections must cover the rotary frequencies of a head_dim of 8.
+ROPE_3_5 = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [1, 1, 0]})
 FAMILIES = {
     # name: (config class, extra config, what the case covers)
-    "qwen3_next": ("Qwen3NextConfig", dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        decoder_sparse_step=1,
-    ), "gated delta-net (key heads != value heads) + gated full attention, MoE MLPs"),
-    "qwen3_5": ("Qwen3_5TextConfig", dict(
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                         "mrope_section": [1, 1, 0]},
-    ), "gated delta-net with separate projections + gated full attention"),
+    "qwen3_next": ("Qwen3NextConfig", dict(MOE, decoder_sparse_step=1),
+                   "gated delta-net (key heads != value heads) + gated full attention, MoE MLPs"),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(ROPE_3_5), "gated delta-net with separate projections + gated full attention"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(ROPE_3_5, **MOE),
+                    "gated delta-net with separate projections + gated full attention, MoE MLPs"),
 }
 CASES = [
     ("qwen3_next", (1, 1, 2), {}),
     ("qwen3_next", (1, 1, 4), {"ac_mode": "full"}),
     ("qwen3_next", (1, 2, 2), {"pack_qkv": True}),
-    ("qwen3_5", (1, 1, 2), {}),
+    ("qwen3_5", (1, 1, 2), {"ac_mode": "selective"}),
+    ("qwen3_5", (1, 1, 4), {}),
+    ("qwen3_5_moe", (1, 2, 2), {}),
 ]
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
@@ -157,6 +160,7 @@ def _parity_worker(rank: int, world: int) -> list[dict]:
     with registry_restored():
         for family, dims, opts in CASES:
             model = make_model(family)
+            model_class = type(model).__name__  # before FSDP renames it
             if family not in refs:
                 ref = copy.deepcopy(model)
                 losses = [reference(ref, b) for b in batches]
@@ -206,7 +210,7 @@ def _parity_worker(rank: int, world: int) -> list[dict]:
                 compared += 1
             assert compared == len(ref_grads), (family, compared, sorted(ref_grads))
             assert loss_rel <= LOSS_RTOL, (family, dims, losses, ref_losses)
-            results.append(dict(family=family, model_class=type(model).__name__, model_type=model.config.model_type,
+            results.append(dict(family=family, model_class=model_class, model_type=model.config.model_type,
                                 dims=list(dims), opts=opts, loss_rel=loss_rel, grad_rel=grad_rel,
                                 counts={"forward": fwd_counts, "backward": bwd.counts()}))
     return results
