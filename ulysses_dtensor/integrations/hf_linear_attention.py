@@ -226,8 +226,6 @@ def _ulysses_forward(
     **kwargs,
 ) -> Tensor:
     """The gated delta-net's forward on this rank's slice ``(B, s, hidden)``."""
-    from transformers.activations import ACT2FN
-
     if cache_params is not None:
         raise ValueError(f"{model_name}: a cache (generation) is not supported under Ulysses SP; use_cache=False")
     if attention_mask is not None:
@@ -266,7 +264,7 @@ def _ulysses_forward(
     if segments is None:
         mixed = own.causal_conv1d_fn(mixed.transpose(1, 2), weight, bias, activation=module.activation).transpose(1, 2)
     else:
-        mixed = causal_conv_documents(mixed, weight, bias, segments, ACT2FN[module.activation])
+        mixed = causal_conv_documents(mixed, weight, bias, segments, own.ACT2FN[module.activation])
     q, k, v = mixed.split(widths, dim=-1)
     q, k = (t.reshape(batch, -1, k_heads, k_dim) for t in (q, k))
     v = v.reshape(batch, -1, v_heads, v_dim)
