@@ -29,7 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- family-table:begin -->", "<!-- family-table:end -->"
 # Parity tests that write results (pytest node ids, relative to the repository root).
-TESTS = ["tests/test_hf_integration.py::test_hf_families_match_unsharded_on_every_mesh"]
+TESTS = [
+    "tests/test_hf_integration.py::test_hf_families_match_unsharded_on_every_mesh",
+    "tests/test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
+]
 FEATURES = [("window", "window"), ("softcap", "soft-cap"), ("sinks", "sinks"), ("mla", "MLA"), ("moe", "MoE"),
             ("hybrid", "hybrid"), ("vl_rope", "VL rope")]
 

@@ -1,7 +1,8 @@
 """Ulysses SP for models from other libraries, through their own extension points.
 
 * ``integrations.hf``: unmodified Hugging Face ``transformers`` causal LMs (the
-  ``hf`` extra);
+  ``hf`` extra), hybrids with gated delta-net layers included
+  (``integrations.hf_linear_attention``);
 * ``integrations.torchtitan``: a plug-in for torchtitan 0.3.0's own models and
   trainer (the ``torchtitan`` extra; ``--module ulysses_dtensor.integrations.torchtitan``).
 

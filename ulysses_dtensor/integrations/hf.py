@@ -45,6 +45,7 @@ from .hf_attention import (
     ulysses_attention_forward,
 )
 from .hf_families import check_known_family, decoder_layers, text_config_key
+from .hf_linear_attention import UlyssesGatedDeltaNet, check_layer_types, has_gated_delta_nets, linear_attention_modules
 from .hf_moe import install_router_aux_loss
 from .hf_positions import slice_positions, text_positions
 
@@ -58,9 +59,10 @@ __all__ = [
 ]
 
 # Layer kinds whose attention is ordinary causal attention (sliding windows are
-# checked against the sequence length at run time). Anything else -- linear
-# attention, state-space layers, chunked attention -- would mix tokens over
-# the local slice only, silently wrong under SP.
+# checked against the sequence length at run time). Anything else -- state-space
+# layers, chunked attention, linear attention other than the gated delta-nets of
+# hf_linear_attention -- would mix tokens over the local slice only, silently
+# wrong under SP.
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Model keyword argument carrying the unpadded length of the whole sequence
@@ -137,7 +139,7 @@ def parallelize_hf_model(
             f"{name}: parallelize_hf_model runs Ulysses only: got a mesh with ring={pmesh.dims.ring}; build it "
             f"with ParallelDims(..., ring=1) (ring attention runs with parallelize_llama)"
         )
-    layers, attentions = _check_model(model, pmesh.dims.sp, allow_untested)
+    layers, attentions, linear = _check_model(model, pmesh.dims.sp, allow_untested)
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
     every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
@@ -172,6 +174,9 @@ def parallelize_hf_model(
     for attn in attentions:
         core = UlyssesCore(attn_backend, name, pmesh.dims.sp)
         attn.ulysses = parallelize_module(core, pmesh.sp, UlyssesAttention(pack_qkv=pack_qkv))
+    # Hybrid models: the gated delta-net layers exchange around their convolution + recurrence.
+    for net in linear:
+        parallelize_module(net, pmesh.sp, UlyssesGatedDeltaNet(name))
 
     # 2-3. Activation checkpointing, then compile around it (in place: names unchanged).
     fullgraph = bool(getattr(model, "_can_compile_fullgraph", False))
@@ -210,9 +215,11 @@ def _valid_tokens(batch: int, seq: int, *, call: _CallState, sp_rank: int) -> Te
     return (positions < call.seq_len).expand(batch, seq).reshape(-1)
 
 
-def _check_model(model: nn.Module, sp: int, allow_untested: bool = False) -> tuple[nn.ModuleList, list[nn.Module]]:
-    """Refuse what Ulysses attention cannot run correctly; return the decoder layers
-    and the attention modules in them."""
+def _check_model(
+    model: nn.Module, sp: int, allow_untested: bool = False
+) -> tuple[nn.ModuleList, list[nn.Module], list[nn.Module]]:
+    """Refuse what Ulysses attention cannot run correctly; return the decoder layers,
+    the attention modules and the gated delta-net (linear attention) modules in them."""
     try:
         from transformers import PreTrainedModel
     except ImportError as e:  # pragma: no cover - the hf extra is absent
@@ -223,7 +230,11 @@ def _check_model(model: nn.Module, sp: int, allow_untested: bool = False) -> tup
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; Ulysses SP here supports decoder-only causal LMs")
-    if not getattr(model, "_supports_attention_backend", False):
+    # Layer types first: hybrids (Mamba, conv, linear attention) are named by their layer type.
+    check_layer_types(model, _SUPPORTED_LAYER_TYPES)
+    # Hybrids with gated delta-nets declare no attention backend (their linear layers cannot
+    # honour one); their full-attention layers dispatch through the registry all the same.
+    if not getattr(model, "_supports_attention_backend", False) and not has_gated_delta_nets(model):
         raise ValueError(
             f"{name} does not dispatch attention through transformers' AttentionInterface "
             "(_supports_attention_backend is False), so Ulysses attention cannot be plugged in"
@@ -235,12 +246,6 @@ def _check_model(model: nn.Module, sp: int, allow_untested: bool = False) -> tup
         raise ValueError(
             f"{name} is configured for bidirectional attention (use_bidirectional_attention=True); Ulysses "
             "attention here is causal only"
-        )
-    other = sorted(set(getattr(text, "layer_types", None) or ()) - set(_SUPPORTED_LAYER_TYPES))
-    if other:
-        raise ValueError(
-            f"{name} has layer types {other}, which mix tokens outside transformers' attention registry "
-            f"or with masks Ulysses attention does not implement; supported: {list(_SUPPORTED_LAYER_TYPES)}"
         )
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -259,16 +264,17 @@ def _check_model(model: nn.Module, sp: int, allow_untested: bool = False) -> tup
         )
     layers = lists[0]
     attentions = [m for layer in layers for m in layer.modules() if type(m).__name__.endswith("Attention")]
-    if len(attentions) != len(layers):
+    linear = linear_attention_modules(name, layers, sp)
+    if len(attentions) + len(linear) != len(layers):
         raise ValueError(
-            f"{name}: expected one *Attention module per decoder layer, found {len(attentions)} in "
-            f"{len(layers)} layers"
+            f"{name}: expected one *Attention or gated delta-net module per decoder layer, found "
+            f"{len(attentions)} + {len(linear)} in {len(layers)} layers"
         )
     for attn in attentions:
         if not getattr(attn, "is_causal", True):
             raise ValueError(f"{name}: {type(attn).__name__} is not causal; only causal attention is supported")
     check_known_family(model, allow_untested)
-    return layers, attentions
+    return layers, attentions, linear
 
 
 def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int, call: _CallState):

@@ -35,6 +35,9 @@ KNOWN_MODEL_TYPES = {
     "granite": "attention multiplier as scaling",
     "smollm3": "layers without rope",
     "qwen2_5_vl": "text path, multimodal rope position ids (3, B, S)",
+    "qwen3_next": "hybrid: gated delta-net layers (tests/test_hf_linear_attention.py), gated full attention, MoE",
+    "qwen3_5_text": "hybrid: gated delta-net layers (tests/test_hf_linear_attention.py)",
+    "qwen3_5_moe_text": "hybrid: gated delta-net layers (tests/test_hf_linear_attention.py), MoE",
 }
 
 

@@ -1,0 +1,319 @@
+"""Ulysses SP for the gated delta-net layers of hybrid transformers models.
+
+Qwen3-Next and Qwen3.5 (dense and MoE) interleave full-attention layers with
+``linear_attention`` layers: a gated delta-net (``*GatedDeltaNet``). Its token
+mixing -- a short causal convolution over the q/k/v channels, then a per-head
+recurrence -- is per head, like attention, so Ulysses applies to it the same
+way. Per layer, in :func:`_ulysses_forward`:
+
+1. the projections run on this rank's slice of the sequence (q, k, v before
+   the convolution, the output gate ``z``, and the per-head ``b``/``a`` that
+   become ``beta`` and the decay ``g``);
+2. one all-to-all switches q, k, v, b, a from Shard(seq) to Shard(heads):
+   each rank now holds the WHOLE sequence for ``k_heads/sp`` key heads and
+   ``v_heads/sp`` value heads (``v_heads`` is a multiple of ``k_heads``, and
+   value head ``j`` uses key head ``j // (v_heads/k_heads)``, so splitting
+   both by sp keeps every pair on one rank);
+3. the convolution (its weight rows for this rank's channels), the gates
+   (``A_log``, ``dt_bias`` for this rank's heads) and the recurrence run over
+   the whole sequence; with packed documents (the model's
+   :data:`~.hf_attention.DOCUMENT_IDS_KWARG`) both restart at every document
+   start (:mod:`.gated_delta`), as if each document ran alone;
+4. one all-to-all brings the per-head output back to Shard(seq), where the
+   gated RMSNorm (with the local ``z``) and the out projection run.
+
+Two all-to-alls per linear layer forward, two in backward. Without packed
+documents the convolution and recurrence are transformers' own functions from
+the model's module, so where transformers picks the causal-conv1d /
+flash-linear-attention kernels (CUDA, packages installed) they run here too
+(untested here: no such packages in CI); packed documents always run the torch
+versions of :mod:`.gated_delta`.
+
+Other token mixers outside attention (Mamba / state-space layers, Lfm2 short
+convolutions, MiniMax lightning attention, recurrent blocks, gated delta-nets
+of families not listed in :data:`GATED_DELTA_NETS`) are refused by
+:func:`check_layer_types` and :func:`linear_attention_modules`.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ..documents import segment_ids
+from ..mesh import divisors
+from ..ulysses import _all_to_all, _heads_to_seq_local
+from .gated_delta import causal_conv_documents, chunk_gated_delta_rule_documents
+from .hf_attention import DOCUMENT_IDS_KWARG
+
+__all__ = [
+    "GATED_DELTA_NETS",
+    "LINEAR_LAYER_TYPE",
+    "UlyssesGatedDeltaNet",
+    "check_layer_types",
+    "has_gated_delta_nets",
+    "linear_attention_modules",
+]
+
+# The value of ``config.layer_types`` for gated delta-net layers.
+LINEAR_LAYER_TYPE = "linear_attention"
+
+
+# ---------------------------------------------------------------------------
+# Families: how each gated delta-net projects its inputs
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _DeltaNetParts:
+    """What differs between families: the projections (on the local slice,
+    returning q, k, v before the convolution as (B, s, heads, dim), the gate
+    z as (B, s, v_heads, v_dim), and b, a as (B, s, v_heads)), and the names of
+    the gated norm and the out projection."""
+
+    project: Callable[[nn.Module, Tensor], tuple[Tensor, ...]]
+    norm: str = "norm"
+    out: str = "out_proj"
+
+
+def _project_qwen3_next(m: nn.Module, h: Tensor) -> tuple[Tensor, ...]:
+    # One fused projection grouped per key head; the module's own helper splits it.
+    return m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
+
+
+def _project_qwen3_5(m: nn.Module, h: Tensor) -> tuple[Tensor, ...]:
+    batch, seq, _ = h.shape
+    q, k, v = m.in_proj_qkv(h).split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    q, k = (t.reshape(batch, seq, -1, m.head_k_dim) for t in (q, k))
+    v = v.reshape(batch, seq, -1, m.head_v_dim)
+    z = m.in_proj_z(h).reshape(batch, seq, -1, m.head_v_dim)
+    return q, k, v, z, m.in_proj_b(h), m.in_proj_a(h)
+
+
+# Gated delta-net classes (by name: transformers is an optional dependency)
+# whose layers run under Ulysses, each parity-tested against the unsharded model.
+GATED_DELTA_NETS: dict[str, _DeltaNetParts] = {
+    "Qwen3NextGatedDeltaNet": _DeltaNetParts(_project_qwen3_next),
+    "Qwen3_5GatedDeltaNet": _DeltaNetParts(_project_qwen3_5),
+    "Qwen3_5MoeGatedDeltaNet": _DeltaNetParts(_project_qwen3_5),
+}
+
+
+# ---------------------------------------------------------------------------
+# Checks: what runs, what is refused
+# ---------------------------------------------------------------------------
+
+
+def _gated_delta_nets(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if type(m).__name__ in GATED_DELTA_NETS]
+
+
+def has_gated_delta_nets(model: nn.Module) -> bool:
+    """Whether ``model`` has gated delta-net layers this module runs (their full
+    attention layers still go through transformers' attention registry)."""
+    return bool(_gated_delta_nets(model))
+
+
+def _conv_owners(module: nn.Module) -> list[str]:
+    """Class names of the modules owning a convolution: token mixers outside attention."""
+    return sorted({
+        type(m).__name__ for m in module.modules()
+        if any(isinstance(c, nn.Conv1d) for c in m.children())
+    })
+
+
+def check_layer_types(model: nn.Module, attention_types: tuple[str, ...]) -> None:
+    """Refuse layer types that mix tokens neither through attention (``attention_types``)
+    nor through a gated delta-net of :data:`GATED_DELTA_NETS`."""
+    name = type(model).__name__
+    types = list(getattr(model.config.get_text_config(), "layer_types", None) or ())
+    other = sorted(set(types) - set(attention_types))
+    linear = types.count(LINEAR_LAYER_TYPE)
+    if not other or (other == [LINEAR_LAYER_TYPE] and len(_gated_delta_nets(model)) == linear):
+        return
+    mixers = [c for c in _conv_owners(model) if c not in GATED_DELTA_NETS]
+    found = f" (token mixers with a convolution: {mixers})" if mixers else ""
+    raise ValueError(
+        f"{name} has layer types {other}{found}, which mix tokens outside transformers' attention "
+        f"registry or with masks Ulysses SP does not implement; supported: {list(attention_types)}, "
+        f"and {LINEAR_LAYER_TYPE!r} as the gated delta-nets {sorted(GATED_DELTA_NETS)}"
+    )
+
+
+def _check_heads(name: str, module: nn.Module, sp: int) -> None:
+    k_heads, v_heads = module.num_k_heads, module.num_v_heads
+    if k_heads % sp == 0 and v_heads % sp == 0:
+        return
+    valid = [d for d in divisors(k_heads) if v_heads % d == 0]
+    raise ValueError(
+        f"{name}: Ulysses SP splits the gated delta-net's key and value heads over sp ranks, but "
+        f"linear_num_key_heads={k_heads} and linear_num_value_heads={v_heads} are not both "
+        f"divisible by sp={sp}; valid sp: {valid}"
+    )
+
+
+def linear_attention_modules(name: str, layers: nn.ModuleList, sp: int) -> list[nn.Module]:
+    """The gated delta-nets in ``layers`` (checked: sp places their heads), after
+    refusing any other module of the layers that owns a convolution (a token
+    mixer that would see only this rank's slice)."""
+    found = []
+    for layer in layers:
+        nets = _gated_delta_nets(layer)
+        others = [c for c in _conv_owners(layer) if c not in GATED_DELTA_NETS]
+        if others:
+            raise ValueError(
+                f"{name}: decoder layer {type(layer).__name__} holds {others}, a convolution over the "
+                f"sequence that Ulysses SP does not run; supported token mixers besides attention: "
+                f"{sorted(GATED_DELTA_NETS)}"
+            )
+        found += nets
+    for net in found:
+        _check_heads(name, net, sp)
+    return found
+
+
+# ---------------------------------------------------------------------------
+# The exchange: mixed head dims in one all-to-all
+# ---------------------------------------------------------------------------
+
+
+def _seq_to_heads_mixed(parts: list[Tensor], mesh: DeviceMesh) -> list[Tensor]:
+    """(B, s, h_i, d_i) sequence shards -> (B, s*P, h_i/P, d_i) head shards, one all-to-all.
+
+    Like :func:`~ulysses_dtensor.ulysses._seq_to_heads_local`, but the tensors
+    may differ in head dim: each destination's chunk of each tensor is
+    flattened and the chunks are concatenated.
+    """
+    world = mesh.size()
+    batch, seq = parts[0].shape[:2]
+    # (B, s, h, d) -> (P, B, s, h/P * d): destination rank first.
+    send = torch.cat([p.reshape(batch, seq, world, -1).permute(2, 0, 1, 3) for p in parts], dim=-1)
+    recv = _all_to_all(send.contiguous(), mesh)  # (P, B, s, sum): source rank = sequence block
+    widths = [p.shape[2] // world * p.shape[3] for p in parts]
+    outs = []
+    for p, chunk in zip(parts, recv.split(widths, dim=-1)):
+        heads, dim = p.shape[2] // world, p.shape[3]
+        chunk = chunk.reshape(world, batch, seq, heads, dim).permute(1, 0, 2, 3, 4)
+        outs.append(chunk.reshape(batch, world * seq, heads, dim))
+    return outs
+
+
+# ---------------------------------------------------------------------------
+# The Ulysses forward and its ParallelStyle
+# ---------------------------------------------------------------------------
+
+# transformers' own packed-sequence metadata, which these layers would need
+# instead of the whole sequence's document ids.
+_REFUSED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
+
+
+def _ulysses_forward(
+    module: nn.Module,
+    parts: _DeltaNetParts,
+    mesh: DeviceMesh,
+    model_name: str,
+    hidden_states: Tensor,
+    cache_params=None,
+    attention_mask: Tensor | None = None,
+    **kwargs,
+) -> Tensor:
+    """The gated delta-net's forward on this rank's slice ``(B, s, hidden)``."""
+    if cache_params is not None:
+        raise ValueError(f"{model_name}: a cache (generation) is not supported under Ulysses SP; use_cache=False")
+    if attention_mask is not None:
+        raise ValueError(
+            f"{model_name}: a padding mask reached a gated delta-net layer under Ulysses SP; pack "
+            "documents and describe them with position_ids (shard_hf_batch)"
+        )
+    for kw in _REFUSED_KWARGS:
+        if kwargs.get(kw) is not None:
+            raise ValueError(
+                f"{model_name}: {kw}=... (transformers' packed-sequence metadata) is not supported under "
+                "Ulysses SP; use shard_hf_batch's document ids"
+            )
+    sp, rank = mesh.size(), mesh.get_local_rank()
+    batch, seq, _ = hidden_states.shape
+
+    q, k, v, z, b, a = parts.project(module, hidden_states)
+    if sp > 1:
+        q, k, v, b, a = _seq_to_heads_mixed([q, k, v, b.unsqueeze(-1), a.unsqueeze(-1)], mesh)
+        b, a = b.squeeze(-1), a.squeeze(-1)
+    k_heads, k_dim = q.shape[2:]
+    v_heads, v_dim = v.shape[2:]
+
+    # This rank's channels of the depthwise convolution: its q, k and v heads.
+    weight, bias = module.conv1d.weight.squeeze(1), module.conv1d.bias
+    starts = (rank * k_heads * k_dim, module.key_dim + rank * k_heads * k_dim, 2 * module.key_dim + rank * v_heads * v_dim)
+    widths = (k_heads * k_dim, k_heads * k_dim, v_heads * v_dim)
+    weight = torch.cat([weight.narrow(0, s, w) for s, w in zip(starts, widths)])
+    if bias is not None:
+        bias = torch.cat([bias.narrow(0, s, w) for s, w in zip(starts, widths)])
+    mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+
+    documents = kwargs.get(DOCUMENT_IDS_KWARG)
+    segments = None if documents is None else segment_ids(documents)
+    own = sys.modules[type(module).__module__]  # transformers' functions (or the kernels it chose)
+    if segments is None:
+        mixed = own.causal_conv1d_fn(mixed.transpose(1, 2), weight, bias, activation=module.activation).transpose(1, 2)
+    else:
+        mixed = causal_conv_documents(mixed, weight, bias, segments, own.ACT2FN[module.activation])
+    q, k, v = mixed.split(widths, dim=-1)
+    q, k = (t.reshape(batch, -1, k_heads, k_dim) for t in (q, k))
+    v = v.reshape(batch, -1, v_heads, v_dim)
+
+    heads = slice(rank * v_heads, (rank + 1) * v_heads)
+    beta = b.sigmoid()
+    g = -module.A_log[heads].float().exp() * F.softplus(a.float() + module.dt_bias[heads])
+    if segments is None:
+        out, _ = own.torch_chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True
+        )
+    else:
+        out = chunk_gated_delta_rule_documents(q, k, v, g, beta, segments)
+    if sp > 1:
+        out = _heads_to_seq_local(out, mesh)
+
+    out = getattr(module, parts.norm)(out.reshape(-1, v_dim), z.reshape(-1, v_dim))
+    return getattr(module, parts.out)(out.reshape(batch, seq, -1))
+
+
+class UlyssesGatedDeltaNet(ParallelStyle):
+    """Ulysses SP for one gated delta-net module (a class of :data:`GATED_DELTA_NETS`).
+
+    Apply on the 1-D sp mesh::
+
+        parallelize_module(model.model.layers[0].linear_attn, mesh["sp"], UlyssesGatedDeltaNet("Qwen3NextForCausalLM"))
+
+    The module then takes this rank's slice ``(B, S/P, hidden)`` and returns
+    its slice of the output; parameters and their names are unchanged. Also at
+    sp 1, where nothing is exchanged: packed documents still restart the state.
+    """
+
+    def __init__(self, model_name: str = "model"):
+        super().__init__()
+        self.model_name = model_name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"UlyssesGatedDeltaNet must be applied on the 1-D sp mesh (mesh['sp']), got a "
+                f"{device_mesh.ndim}-D mesh with dims {device_mesh.mesh_dim_names}"
+            )
+        kind = type(module).__name__
+        if kind not in GATED_DELTA_NETS:
+            raise ValueError(f"{self.model_name}: {kind} is not a supported gated delta-net; supported: {sorted(GATED_DELTA_NETS)}")
+        _check_heads(self.model_name, module, device_mesh.size())
+        # An instance attribute: the class (and unsharded models of it) keep their forward.
+        module.forward = functools.partial(_ulysses_forward, module, GATED_DELTA_NETS[kind], device_mesh, self.model_name)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model_name={self.model_name!r})"
