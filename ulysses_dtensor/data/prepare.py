@@ -225,7 +225,7 @@ def prepare_store(
             if same:
                 log(f"{output} is already prepared from these inputs: nothing to do")
                 return m
-            raise DataError(f"--output {str(output)!r} is a store prepared from other inputs or settings; "
+            raise DataError(f"--output {str(output)!r} is a store prepared from other inputs or settings (tokenizer, text key, shard size); "
                             f"remove it or choose another --output")
         raise DataError(f"--output {str(output)!r} exists and is not a token store; choose another path")
 

@@ -125,10 +125,7 @@ class FileCorpus(DocumentSource):
         self._file = np.concatenate(file_ids) if file_ids else np.zeros(0, np.int32)
         self._ref = np.concatenate(refs) if refs else np.zeros(0, np.int64)
         if not len(self._ref):
-            raise DataError(
-                f"data.path={str(path)!r} holds no documents: its files have no non-blank "
-                f"record"
-            )
+            raise DataError(f"{str(path)!r} holds no documents: its files have no non-blank record")
 
     @property
     def index(self) -> list[tuple[Path, int | None]]:

@@ -158,14 +158,28 @@ def _index_over_world(docs: TokenizedSource) -> None:
     docs.build_index(dist.get_rank(), world, gather)
 
 
+def _open(key: str, path: str, text_key: str, max_corpus_mb: float = 8.0):
+    """``build_source``, its messages naming the config key (a source without documents,
+    a store without a manifest)."""
+    try:
+        return build_source(path, text_key, max_corpus_mb)
+    except DataError as e:
+        msg = str(e)
+        if msg.startswith(repr(path)):
+            msg = msg[len(repr(path)):].lstrip()
+            raise DataError(f"{key}={path!r} {msg}") from None
+        raise DataError(f"{key}={path!r}: {msg}") from None
+
+
 def build_training_data(cfg: JobConfig) -> TrainingData:
     """The sources and held-out documents of ``cfg`` (DataError / ConfigError)."""
     d = cfg.data
     if d.sources:
-        sources = [build_source(s.path, d.text_key) for s in d.sources]
+        sources = [_open(f"data.sources[{i}].path", s.path, d.text_key) for i, s in enumerate(d.sources)]
         _, held_out = split_for_eval(cfg, sources[0])
         return TrainingData(cfg, list(d.sources), sources, held_out)
-    source = build_source(d.path, d.text_key, d.max_corpus_mb)
+    source = _open("data.path", d.path, d.text_key, d.max_corpus_mb) if d.path else build_source(
+        "", max_corpus_mb=d.max_corpus_mb)
     # With eval.holdout_fraction training reads only the documents outside the split.
     source, held_out = split_for_eval(cfg, source)
     spec = SourceSpec(path=d.path or "builtin", weight=1.0, name="data")
