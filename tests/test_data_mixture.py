@@ -3,6 +3,7 @@ the same global batches on any dp, exact resume through a read-ahead thread."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -130,6 +131,14 @@ def test_prefetch_error_reaches_the_training_thread():
     with pytest.raises(RuntimeError, match="plan broke at step 3"):
         p.batch_for(3)
     p.close()
+    # A run that fails without close(): dropping the prefetcher stops its thread.
+    p = Prefetcher(_loader(), _plan, 1, 10)
+    p.batch_for(1)
+    thread = p._thread
+    del p
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
 
 
 def test_row_mixture_counts_are_exact():

@@ -17,11 +17,33 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from typing import Callable
 
 __all__ = ["Prefetcher", "StepLoader"]
 
 _STOP = object()
+
+
+def _read_ahead(loader, plan, step: int, last_step: int, out: queue.Queue, halt: threading.Event) -> None:
+    try:
+        while step <= last_step and not halt.is_set():
+            batch = loader.next_batch(*plan(step))
+            item = (step, batch, loader.state_dict(), loader.tokens_seen, loader.source_tokens())
+            while not halt.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            step += 1
+    except BaseException as e:  # surfaced in the training thread
+        while not halt.is_set():
+            try:
+                out.put((_STOP, e), timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
 
 class Prefetcher:
@@ -40,24 +62,13 @@ class Prefetcher:
         self.wait_seconds = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._halt = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(first_step,), name="data-prefetch", daemon=True)
+        # The thread holds no reference to this object: when a failed run drops it,
+        # the finalizer stops the thread.
+        self._thread = threading.Thread(
+            target=_read_ahead, args=(loader, plan, first_step, last_step, self._queue, self._halt),
+            name="data-prefetch", daemon=True)
+        weakref.finalize(self, self._halt.set)
         self._thread.start()
-
-    def _run(self, step: int) -> None:
-        try:
-            while step <= self.last_step and not self._halt.is_set():
-                batch = self.loader.next_batch(*self.plan(step))
-                item = (step, batch, self.loader.state_dict(), self.loader.tokens_seen,
-                        self.loader.source_tokens())
-                while not self._halt.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                step += 1
-        except BaseException as e:  # surfaced in the training thread
-            self._queue.put((_STOP, e))
 
     def batch_for(self, step: int):
         """The batch of ``step`` (steps are taken in order)."""

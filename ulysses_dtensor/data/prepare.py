@@ -93,9 +93,10 @@ class TextRenderer:
 _renderer = None
 
 
-def _init_worker(renderer) -> None:
+def _init_worker(renderer, in_pool: bool = False) -> None:
     global _renderer
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
+    if in_pool:  # one core per worker process (in-process: the library's own threads)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _renderer = renderer
 
 
@@ -278,7 +279,7 @@ def prepare_store(
     else:
         method = "fork" if sys.platform.startswith("linux") else "spawn"
         ctx = multiprocessing.get_context(method)
-        with ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=(renderer,)) as pool:
+        with ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=(renderer, True)) as pool:
             for stats in pool.imap_unordered(_write_shard, todo):
                 finished(stats)
     manifest = _finalize(partial, output, units, settings)
