@@ -24,8 +24,9 @@ and the byte / row-group range it came from), ``inputs`` (the files with their
 sizes), ``text_key``, ``length_histogram`` (documents and tokens per
 power-of-two length bin) and ``created_by``.
 
-Reading costs nothing that grows with the corpus: the manifest is parsed,
-the document index and the shards are memory-mapped on first use, and a read
+Opening costs nothing that grows with the tokens: the manifest is parsed, the
+document index and the shards are memory-mapped on first use (the token stream
+then reads one index entry per 8,192 documents for its epoch order), and a read
 touches only the pages of the tokens it returns. :meth:`TokenStore.check` looks
 at the manifest, the tokenizer and the files' sizes, never at the tokens.
 """

@@ -54,7 +54,8 @@ class TrainingData:
     def weights(self, stage: int) -> list[float]:
         return [s.weight_at(stage) for s in self.specs]
 
-    def banner(self, schedule) -> str:
+    def banner(self, schedule, taken: dict[str, int] | None = None) -> str:
+        """The data lines of the start banner; ``taken``: tokens per source so far (a resume)."""
         def kind(src) -> str:
             return "token store" if isinstance(src, TokenDocs) else "raw text, tokenized at load"
 
@@ -62,12 +63,18 @@ class TrainingData:
             src = self.sources[0]
             return (f"data {self.cfg.data.path or 'built-in stdlib corpus'} ({kind(src)}): "
                     f"{len(src)} documents; {schedule}")
-        lines = [f"data: mixture of {len(self.specs)} sources (row shares per stage); {schedule}"]
-        for s, src in zip(self.specs, self.sources):
-            w = "/".join(f"{x:g}" for x in (s.weight if isinstance(s.weight, tuple) else (s.weight,)))
+        n_stages = len(schedule.stages)
+        lines = [f"data: mixture of {len(self.specs)} sources, each row from one source; {schedule}"]
+        for k, (s, src) in enumerate(zip(self.specs, self.sources)):
+            shares = "/".join(f"{100 * self.weights(i)[k] / sum(self.weights(i)):.0f}%" for i in range(n_stages))
             up = (f", documents > {s.upsample_min_tokens:,} tokens x{s.upsample_factor:g}"
                   if s.upsampled else "")
-            lines.append(f"    {s.label}: weight {w}, {s.path} ({kind(src)}, {len(src)} documents{up})")
+            lines.append(f"    {s.label}: {shares} of the rows{' per stage' if n_stages > 1 else ''}, "
+                         f"{s.path} ({kind(src)}, {len(src)} documents{up})")
+        total = sum((taken or {}).values())
+        if total:
+            lines.append("    realised token shares so far: "
+                         + ", ".join(f"{n} {t / total:.4f}" for n, t in taken.items()))
         return "\n".join(lines)
 
     def loading_banner(self) -> str:

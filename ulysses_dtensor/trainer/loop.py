@@ -239,7 +239,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"{f' (ring {dims.ring} x ulysses {dims.ulysses})' if dims.ring > 1 else ''}\n"
         f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
-        f"  {data.banner(schedule)}\n  {data.loading_banner()}\n"
+        f"  {data.banner(schedule, loader.source_tokens())}\n  {data.loading_banner()}\n"
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
         f"  {_eval_banner(cfg, held_out)}; {_timing_banner(cfg, dims.sp, timer is not None)}"
         + "".join(f"\n  not in effect: {note}" for note in inactive_settings(cfg))
