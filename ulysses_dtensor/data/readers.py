@@ -235,40 +235,40 @@ def iter_file_records(path: Path, columns: list[str]) -> Iterator[tuple[str, obj
 def scan_jsonl_lines(path: Path) -> np.ndarray:
     """Byte offsets of the non-blank lines of a plain ``.jsonl`` file.
 
-    Vectorised: the file is read in 16 MiB blocks and its newlines and
-    non-whitespace bytes are found with numpy (no Python per line).
+    The file is read in 16 MiB blocks and its newlines found with numpy; a line
+    whose first byte is not whitespace is non-blank (a JSON object starts with
+    ``{``), and only the others are looked at in Python (blank lines, leading
+    spaces).
     """
-    starts = []
     ws = np.zeros(256, dtype=bool)
     ws[list(b" \t\n\r\x0b\x0c")] = True
+    found = []
     base = 0  # file offset of buf[0]
     carry = b""
     with open(path, "rb") as fh:
         while True:
             block = fh.read(_BLOCK)
-            buf = carry + block
+            buf = carry + block if carry else block
             if not buf:
                 break
             arr = np.frombuffer(buf, dtype=np.uint8)
-            nl = np.flatnonzero(arr == 10)
-            if block:
-                if len(nl) == 0:
-                    carry, base = buf, base
-                    continue
-                complete = int(nl[-1]) + 1
-            else:  # end of file: the last line may lack a newline
-                complete = len(buf)
-                nl = np.append(nl, complete - 1) if (len(nl) == 0 or nl[-1] != complete - 1) else nl
-            line_starts = np.concatenate([[0], nl[:-1] + 1])
-            line_ends = nl + 1
-            body = np.concatenate([[0], np.cumsum(~ws[arr[:complete]], dtype=np.int64)])
-            keep = body[line_ends] - body[line_starts] > 0
-            starts.append(line_starts[keep] + base)
+            ends = np.flatnonzero(arr == 10) + 1  # one past each newline
+            if not block and (len(ends) == 0 or ends[-1] != len(buf)):
+                ends = np.append(ends, len(buf))  # the last line has no newline
+            if len(ends) == 0:
+                carry = buf
+                continue
+            starts = np.concatenate([[0], ends[:-1]])
+            keep = ~ws[arr[starts]]
+            for i in np.flatnonzero(~keep):  # a first byte of whitespace: look closer
+                keep[i] = bool(buf[starts[i]:ends[i]].strip())
+            found.append(starts[keep] + base)
+            complete = int(ends[-1])
             carry = buf[complete:]
             base += complete
             if not block:
                 break
-    return np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, dtype=np.int64)
+    return np.concatenate(found).astype(np.int64) if found else np.zeros(0, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------- #
