@@ -127,11 +127,6 @@ class FileCorpus(DocumentSource):
         if not len(self._ref):
             raise DataError(f"{str(path)!r} holds no documents: its files have no non-blank record")
 
-    @property
-    def index(self) -> list[tuple[Path, int | None]]:
-        """(file, byte offset or None) per document (for checks; small data)."""
-        return [(self.files[f], None if r < 0 else int(r)) for f, r in zip(self._file, self._ref)]
-
     def _read_all(self, f: Path) -> list[str]:
         if data_suffix(f) in (".parquet", ".arrow"):
             return table_texts(f, self.text_key)
