@@ -255,3 +255,27 @@ def test_per_stage_weights_and_upsampling_checked(byte_store):
         parse_config({**base, "data": {"sources": [{"path": str(byte_store), "wieght": 1}]}})
     cfg = parse_config({**base, "data": {"sources": [{"path": str(byte_store), "weight": [1, 3]}]}})
     assert cfg.data.sources[0].weight_at(1) == 3.0
+
+
+def test_held_out_split_of_a_store(byte_store):
+    """eval.holdout_fraction on a store: a split by document, training never reads a
+    held-out document, and the held-out side gives the evaluation's rows."""
+    from ulysses_dtensor.data_checks import check_corpus
+    from ulysses_dtensor.evaluation.heldout import split_held_out
+
+    store = TokenStore(byte_store)
+    train, held = split_held_out(store, 0.25, what="store")
+    assert len(train) + len(held) == len(store) and 0 < len(held) < len(store)
+    assert set(train.indices.tolist()).isdisjoint(held.indices.tolist())
+    assert train.fingerprint() != store.fingerprint() and "heldout-split(fraction=0.25)/train" in train.fingerprint()
+    bos = ByteTokenizer().bos_id
+    held_starts = {tuple(store.tokens(int(i), 0, 12)) for i in held.indices}
+    stream = TokenStream(train, seed=0)
+    toks = stream.read(0, 2 * stream.epoch_tokens)[0]  # two epochs of the training side
+    starts = np.flatnonzero(toks == bos)
+    assert len(starts) == 2 * len(train)
+    assert not {tuple(toks[s:s + 12]) for s in starts} & held_starts
+    assert check_corpus(held, ByteTokenizer(), 100, described="held") == held.total_tokens()
+    rows = TokenStream(held, shuffle=False).take(64)[0]  # the evaluation's loss rows
+    first = store.tokens(int(held.indices[0]), 0, 64)
+    np.testing.assert_array_equal(rows[:len(first)], first)
