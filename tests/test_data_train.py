@@ -108,11 +108,15 @@ def test_store_mixture_same_losses_on_four_meshes_and_exact_resume(sources, tmp_
     for name in ("1x2x1", "1x1x2", "1x2x2"):
         rows = _rows(tmp_path / name)
         assert [r["tokens_seen"] for r in rows] == [r["tokens_seen"] for r in ref], name
+        print(f"{name}: max |loss - 1x1x1| / loss = "
+              f"{max(abs(a['loss'] - b['loss']) / b['loss'] for a, b in zip(rows, ref)):.2e}")
         for a, b in zip(rows, ref):
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (name, a["step"], a["loss"], b["loss"])
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (name, a["step"])
     rows = _rows(resumed)
     assert [r["step"] for r in rows] == [4, 5, 6]
+    print("resumed on 1x1x2 from the 1x2x2 step-3 checkpoint: max |loss - 1x1x1| / loss = "
+          f"{max(abs(r['loss'] - ref[r['step'] - 1]['loss']) / ref[r['step'] - 1]['loss'] for r in rows):.2e}")
     for r in rows:
         b = ref[r["step"] - 1]
         assert r["tokens_seen"] == b["tokens_seen"] and r["seq_len"] == b["seq_len"]
