@@ -309,8 +309,8 @@ def main(argv=None) -> None:
     # the 1M-token stage (sp 8: every rank reads the whole row), and an 8K stage of the
     # same 1M tokens per step (sp 1, dp 8: the most tokens per second of the schedule)
     for n in (need(a.mfu), need(a.mfu, seq_len=8192, sp=1)):
-        emit({"bench": "data_need", **base, **n, "prepared_tokens_per_s_per_rank": best,
-              "headroom": round(best / n["rank_tokens_per_s"], 1)})
+        emit({"bench": "data_need", **base, **n, "prepared_tokens_per_s_per_rank": best or None,
+              "headroom": round(best / n["rank_tokens_per_s"], 1) if best else None})
 
 
 if __name__ == "__main__":
