@@ -1,4 +1,5 @@
-"""Tokenizer, document sources, packing: exact token accounting."""
+"""Tokenizer, document sources, the token stream, packing: exact token accounting,
+and each data-parallel rank reading (and tokenizing) only its own rows."""
 
 import json
 import sys
@@ -73,9 +74,11 @@ def test_hf_tokenizer_missing_package_message(tmp_path, monkeypatch):
         build_tokenizer(str(tmp_path / "tokenizer.json"))
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_packing_exact_across_stage_change_and_dp(shuffle):
-    """Concatenating every emitted row (all dp ranks, both stages) is the stream."""
+@pytest.mark.parametrize("shuffle, block", [(False, 8192), (True, 8192), (True, 3)])
+def test_packing_exact_across_stage_change_and_dp(shuffle, block):
+    """Concatenating every emitted row (all dp ranks, both stages) is the stream:
+    the epochs' documents, in each epoch's order, one after another. ``block=3``
+    shuffles blocks of 3 documents and the documents inside each."""
     tok = ByteTokenizer()
     src = ListSource(DOCS)
     plan = [(4, 16)] * 6 + [(2, 32)] * 8 + [(8, 8)] * 4  # (global batch, seq_len)
@@ -84,7 +87,7 @@ def test_packing_exact_across_stage_change_and_dp(shuffle):
     assert total > 3 * sum(len(tok.encode(d)) for d in DOCS)
     for dp in (1, 2):
         loaders = [
-            PackedLoader(TokenStream(src, tok, seed=3, shuffle=shuffle), dp_rank=r, dp_size=dp)
+            PackedLoader(TokenStream(src, tok, seed=3, shuffle=shuffle, block=block), dp_rank=r, dp_size=dp)
             for r in range(dp)
         ]
         rows = []
@@ -94,15 +97,20 @@ def test_packing_exact_across_stage_change_and_dp(shuffle):
                 assert p["input_ids"].shape == (b // dp, s)
             rows.append(torch.cat([p["input_ids"] for p in parts]).reshape(-1))
         got = torch.cat(rows).numpy()
-        ref_stream = TokenStream(src, tok, seed=3, shuffle=shuffle)
-        ref = reference_stream(tok, src, lambda e: _order(ref_stream, e), total)
+        ref_stream = TokenStream(src, tok, seed=3, shuffle=shuffle, block=block)
+        orders = [_order(ref_stream, e) for e in range(8)]
+        ref = reference_stream(tok, src, lambda e: orders[e], total)
         np.testing.assert_array_equal(got, ref)
         assert all(ld.tokens_seen == total for ld in loaders)
+        # the sequential reader (evaluation rows) gives the same stream
+        np.testing.assert_array_equal(ref_stream.take(total)[0], ref)
+    if shuffle:  # each epoch a permutation of every document, and epochs differ
+        assert all(sorted(o) == list(range(len(DOCS))) for o in orders)
+        assert orders[0] != orders[1] and orders[0] != list(range(len(DOCS)))
 
 
 def _order(stream, epoch):
-    stream.epoch = epoch
-    return stream._epoch_order()
+    return [stream.order.doc_at(epoch, p) for p in range(stream.order.n)]
 
 
 def test_position_ids_restart_at_documents_and_rows():
@@ -140,9 +148,15 @@ def test_state_dict_resumes_exactly():
         assert torch.equal(got["position_ids"], e["position_ids"])
     assert b.tokens_seen == a.tokens_seen
     # A different seed would not continue the same stream: refused.
-    c = PackedLoader(TokenStream(src, tok, seed=2))
+    c = PackedLoader(TokenStream(src, tok, seed=2), dp_rank=1, dp_size=2)
     with pytest.raises(ValueError, match="seed"):
         c.load_state_dict(state)
+    # So would other data; and a cursor of the old sequential format is named as such.
+    d = PackedLoader(TokenStream(ListSource(DOCS[:-1]), tok, seed=1), dp_rank=1, dp_size=2)
+    with pytest.raises(ValueError, match=r"data source\(s\) \['list:7'\] but this run reads \['list:6'\]"):
+        d.load_state_dict(state)
+    with pytest.raises(ValueError, match="older format"):
+        b.load_state_dict({"epoch": 0, "doc_index": 3, "doc_offset": 0, "tokens_seen": 9})
 
 
 def test_dp_shares_disjoint_and_cover_global_batch():
@@ -183,3 +197,52 @@ def test_file_corpus_txt_and_jsonl(tmp_path):
     (tmp_path / "c.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(ValueError, match="data.text_key"):
         FileCorpus(tmp_path)[3]
+
+
+class CountingTokenizer(ByteTokenizer):
+    """Records which documents (by text) it encodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoded: list[str] = []
+
+    def encode(self, text, bos=True, eos=True):
+        self.encoded.append(text)
+        return super().encode(text, bos, eos)
+
+
+def test_ranks_tokenize_only_their_own_rows():
+    """Raw text: after the length index (each of the world's ranks counts 1/world of
+    the documents), a rank tokenizes only the documents its own rows touch; its
+    batch is still its slice of the same global batch."""
+    docs = [f"document number {i} " + "x" * (5 + 7 * (i % 9)) for i in range(400)]
+    dp, seq, batch = 8, 16, 64
+    ref = PackedLoader(TokenStream(ListSource(docs), ByteTokenizer(), seed=5)).next_batch(batch, seq)
+    for rank in (0, 5):
+        tok = CountingTokenizer()
+        stream = TokenStream(ListSource(docs), tok, seed=5)
+        stream.docs.build_index(rank=rank, world=dp, gather=lambda mine: [
+            np.array([len(ByteTokenizer().encode(docs[i])) for i in range(r, len(docs), dp)]) if r != rank
+            else mine for r in range(dp)])
+        assert len(tok.encoded) == len(range(rank, len(docs), dp))  # its share of the index
+        tok.encoded.clear()
+        got = PackedLoader(stream, dp_rank=rank, dp_size=dp).next_batch(batch, seq)
+        mine = slice(rank * batch // dp, (rank + 1) * batch // dp)
+        assert torch.equal(got["input_ids"], ref["input_ids"][mine])
+        # documents touched: each starts with BOS, plus one cut at the rows' start
+        touched = int((got["input_ids"] == tok.bos_id).sum()) + 1
+        assert len(set(tok.encoded)) <= touched and len(tok.encoded) <= touched + 1
+        assert sum(len(t) for t in tok.encoded) < 2 * (batch // dp) * seq  # not the global batch's
+
+
+def test_read_at_any_offset_equals_the_sequential_stream():
+    """Random access by global token offset (what a rank uses for its first row)
+    equals the sequential walk, across document, block and epoch boundaries."""
+    tok = ByteTokenizer()
+    for block in (1, 4, 8192):
+        walk = TokenStream(ListSource(DOCS * 3), tok, seed=9, block=block).take(3000)[0]
+        stream = TokenStream(ListSource(DOCS * 3), tok, seed=9, block=block)
+        for start in (0, 1, 17, 399, 1200, 2500):
+            toks, pos, targets = stream.read(start, 500)
+            np.testing.assert_array_equal(toks, walk[start:start + 500])
+            assert pos[0] == 0 and targets is None

@@ -21,6 +21,7 @@ directories with our code, so transformers is imported once, in this process.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import json
@@ -261,6 +262,10 @@ def _load_memory_task(rank, world, path: str) -> dict:
     parallelize_llama(model, pmesh)
     model.to_empty(device="cpu")  # untouched pages: not resident until loaded into
     gc.collect()
+    # Pooled ranks ran other tasks before: hand their freed heap back to the OS so
+    # the load's allocations fault in fresh pages (else reused resident pages
+    # would not show in the peak, and the measurement would read too low).
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = _rss_kib("VmRSS")
     load_hf_weights(model, path)

@@ -6,7 +6,9 @@ fraction, not by its index, its content or any seed: the same document is on
 the same side in every run, on every rank, when files are added or the order is
 shuffled, and whatever ``job.seed`` is. Training reads a :class:`DocumentSubset`
 of the other documents; every document index it can ever produce maps into
-that subset. The subset's fingerprint names the split, so a checkpoint records
+that subset. A prepared token store is split the same way (its documents are
+named by their index in the store) into :class:`~ulysses_dtensor.data.token_docs.TokenSubset` views.
+The subset's fingerprint names the split, so a checkpoint records
 in its data cursor whether, and how, its training data was split (the eval
 entry point checks it before reporting a held-out loss).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 
 from ..data import DocumentSource
+from ..data.token_docs import TokenDocs, TokenSubset
 
 __all__ = ["DocumentSubset", "is_held_out", "split_held_out", "SPLIT_TAG"]
 
@@ -62,4 +65,5 @@ def split_held_out(source: DocumentSource, fraction: float, *, what: str = "data
             f"fraction or give held-out documents with eval.data_path"
         )
     tag = f"{SPLIT_TAG}(fraction={fraction:g})"
-    return DocumentSubset(source, train, f"{tag}/train"), DocumentSubset(source, held, f"{tag}/held-out")
+    subset = TokenSubset if isinstance(source, TokenDocs) else DocumentSubset
+    return subset(source, train, f"{tag}/train"), subset(source, held, f"{tag}/held-out")

@@ -26,10 +26,11 @@ import os
 import sys
 from pathlib import Path
 
-from ..data import TOKENIZERS_EXTRA_MSG
+from ..data import TOKENIZERS_EXTRA_MSG, SourceSpec
 from ..schedule import Stage
 from ..suggest import did_you_mean
 from .config_checks import check_values, inactive_settings, model_args, validate_config
+from .data_config import SOURCES_CLI_HINT, SOURCES_TYPE_NAME, coerce_sources, parse_sources_cli
 from .config_schema import (
     _FIELD_TYPES,
     _FIELDS,
@@ -124,6 +125,8 @@ def _type_name(tp) -> str:
     if tp == list[Stage]:
         return ("a list of {start_step = <int>, seq_len = <int>} tables (optional rope_theta, "
                 "rope_scaling)")
+    if tp == list[SourceSpec]:
+        return SOURCES_TYPE_NAME
     return str(tp)
 
 
@@ -164,6 +167,8 @@ def _coerce(value, tp, key: str):
         if not isinstance(value, (list, tuple)):
             raise bad()
         return [_coerce_stage(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp == list[SourceSpec]:
+        return coerce_sources(value, key)
     raise TypeError(f"unsupported config type {tp} for {key}")  # pragma: no cover
 
 
@@ -235,12 +240,15 @@ def _parse_cli_value(text: str, tp, key: str):
                 start, length = part.split(":")
                 stages.append(Stage(int(start), int(length)))
             return stages
+        if tp == list[SourceSpec]:
+            return parse_sources_cli(text)
     except ValueError:
         pass
     hint = {
         list[Stage]: " written as start_step:seq_len,start_step:seq_len (e.g. 1:128,4:256)",
         list[float]: " written comma separated (e.g. 0.9,0.95)",
         list[int]: " written comma separated (e.g. 4096,8192)",
+        list[SourceSpec]: SOURCES_CLI_HINT,
     }.get(tp, "")
     raise ConfigError(f"--{key} must be {_type_name(tp)}{hint}, got {text!r}")
 

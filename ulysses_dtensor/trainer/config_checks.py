@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..data import DATA_SUFFIXES, TOKENIZERS_EXTRA_MSG, data_files
+from ..data import DATA_SUFFIXES, TOKENIZERS_EXTRA_MSG, data_files, data_suffix, is_store
 from ..suggest import did_you_mean
 from .config_schema import SOURCE_DEFAULT, ConfigError, JobConfig
+from .data_config import check_data_values, data_path_problem
 from .hf_start import HF_IGNORED_MODEL_KEYS, hf_model_args, tokenizer_spec
 
 __all__ = ["check_values", "validate_config", "model_args", "inactive_settings", "EFFECT_RULES",
@@ -85,8 +86,9 @@ EFFECT_RULES: list[EffectRule] = [
                "it is where lr_scheduler.decay ('linear' or 'cosine') ends, after the warm-up"),
     EffectRule("model.vocab_multiple_of", ("model.vocab_size",), lambda c: c.model.vocab_size == 0,
                "it rounds the tokenizer's vocabulary when model.vocab_size=0"),
-    EffectRule("data.max_corpus_mb", ("data.path",), lambda c: c.data.path == "",
-               "it caps the built-in corpus (data.path='')"),
+    EffectRule("data.max_corpus_mb", ("data.path", "data.sources"),
+               lambda c: c.data.path == "" and not c.data.sources,
+               "it caps the built-in corpus (data.path='' and no data.sources)"),
     EffectRule("metrics.exchange_timing", ("parallelism.sp", "training.compile"),
                lambda c: c.parallelism.sp > 1 and not c.training.compile,
                "it times the eager Ulysses all-to-alls (parallelism.sp > 1; torch.compile'd "
@@ -207,6 +209,7 @@ def check_values(cfg: JobConfig) -> None:
         )
     if cfg.data.max_corpus_mb <= 0:
         raise ConfigError(f"data.max_corpus_mb={cfg.data.max_corpus_mb} must be > 0")
+    check_data_values(cfg)
     _check_eval_values(cfg)
     _check_effect(cfg, EFFECT_RULES)
     cfg.context_schedule()  # stage order and tokens_per_step divisibility
@@ -369,30 +372,23 @@ def model_args(cfg: JobConfig, vocab_size: int):
 def _check_data(cfg: JobConfig) -> None:
     """The data and tokenizer files exist; their contents are checked by ``data_checks``."""
     d = cfg.data
-    if d.path:
-        p = Path(d.path)
-        if not p.exists():
+    paths = [("data.path", d.path)] if d.path else []
+    paths += [(f"data.sources[{i}].path", s.path) for i, s in enumerate(d.sources)]
+    has_records = False
+    for key, path in paths:
+        problem = data_path_problem(path)
+        if problem:
             raise ConfigError(
-                f"data.path={d.path!r} does not exist; give a .txt / .jsonl file, a "
-                f"directory of them, or '' for the built-in corpus"
+                f"{key}={path!r} {problem}; give a token store (python -m ulysses_dtensor.prepare_data), "
+                f"a data file ({', '.join(DATA_SUFFIXES)}) or a directory of them"
+                + (", or '' for the built-in corpus" if key == "data.path" else "")
             )
-        if p.is_file() and p.suffix not in DATA_SUFFIXES:
-            raise ConfigError(
-                f"data.path={d.path!r} has suffix {p.suffix!r}; valid: "
-                f"{', '.join(DATA_SUFFIXES)} (or a directory of such files)"
-            )
-        files = data_files(p)
-        if not files:
-            raise ConfigError(
-                f"data.path={d.path!r} is a directory without any "
-                f"{' / '.join(DATA_SUFFIXES)} file"
-            )
-        has_jsonl = any(f.suffix == ".jsonl" for f in files)
-    else:
-        has_jsonl = False
+        if not is_store(path):
+            has_records |= any(data_suffix(f) != ".txt" for f in data_files(path))
     _check_effect(cfg, [EffectRule(
-        "data.text_key", ("data.path",), lambda c: has_jsonl,
-        "it names the text field of .jsonl records, and data.path has no .jsonl file",
+        "data.text_key", ("data.path", "data.sources"), lambda c: has_records,
+        "it names the text field of .jsonl records / table columns, and the data has no such file "
+        "(a token store was tokenized when it was prepared)",
     )])
     spec = tokenizer_spec(cfg)  # data.tokenizer, or model.hf_path's tokenizer.json
     if spec != "byte":
@@ -423,10 +419,10 @@ def check_eval_data(cfg: JobConfig) -> None:
         )
     if ev.data_path:
         p = Path(ev.data_path)
-        if not p.exists() or (p.is_file() and p.suffix not in DATA_SUFFIXES) or not data_files(p):
+        if data_path_problem(ev.data_path):
             raise ConfigError(
-                f"eval.data_path={ev.data_path!r} is not a {' / '.join(DATA_SUFFIXES)} file or a "
-                f"directory holding one"
+                f"eval.data_path={ev.data_path!r} is not a {' / '.join(DATA_SUFFIXES)} file, a "
+                f"directory holding one, or a token store"
             )
         if cfg.data.path and Path(cfg.data.path).resolve() == p.resolve():
             raise ConfigError(

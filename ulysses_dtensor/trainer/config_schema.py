@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..attention import BACKENDS
+from ..data.mixture import SourceSpec
 from ..evaluation.tasks import TASKS as EVAL_TASKS
 from ..schedule import DECAYS, ContextSchedule, Stage
 
@@ -128,12 +129,19 @@ class Context:
 
 @dataclass
 class Data:
-    path: str = _f("", "'' = built-in corpus (Python stdlib sources); else a local .txt / "
-                       ".jsonl file or a directory of them")
+    path: str = _f("", "'' = built-in corpus (Python stdlib sources); a token store made by "
+                       "python -m ulysses_dtensor.prepare_data; or raw files (small data): .txt, "
+                       ".jsonl[.gz|.zst], .parquet, .arrow, or a directory of them")
+    sources: list[SourceSpec] = _f(
+        [], "a weighted mixture instead of data.path: [[data.sources]] tables {path, weight (one, or "
+        "one per context stage), upsample_min_tokens, upsample_factor, name}; on the command line "
+        "PATH:WEIGHT,PATH:WEIGHT")
     tokenizer: str = _f("byte", "'byte' or the path of an HF tokenizer.json")
-    text_key: str = _f("text", "field of each .jsonl record that holds the text")
+    text_key: str = _f("text", "field of each .jsonl record / table column that holds the text")
     shuffle: bool = _f(True, "shuffle document order each epoch (seeded by job.seed)")
     max_corpus_mb: float = _f(8.0, "size cap of the built-in corpus in MiB")
+    prefetch: int = _f(1, "batches read ahead in a background thread while a step runs (0: read "
+                          "on the training thread)")
 
 
 @dataclass
@@ -276,6 +284,8 @@ def _fmt_default(value) -> str:
         if value and isinstance(value[0], Stage):
             return ",".join(f"{s.start_step}:{s.seq_len}" + (" (rope)" if s.sets_rope else "")
                             for s in value)
+        if value and isinstance(value[0], SourceSpec):
+            return ",".join(f"{s.path}:{s.weight}" for s in value)
         return ",".join(map(str, value)) or "[]"
     return repr(value)
 

@@ -28,14 +28,15 @@ import torch.distributed as dist
 from ..batch import shard_batch
 from ..comm_timing import ExchangeTimer, exchange_metrics
 from ..runtime import finish_together, process_group_backend
-from ..data import PackedLoader, TokenStream, build_source, build_tokenizer, padded_vocab_size
+from ..data import build_tokenizer, padded_vocab_size
 from ..loss import count_valid_tokens, global_loss
 from ..models.rope import RopeConfig
 from ..schedule import LRSchedule
 from .checkpoint import CheckpointManager
-from ..data_checks import DataError, check_corpus
+from ..data_checks import DataError
 from .config import ConfigError, JobConfig, inactive_settings, model_args, validate_config
-from .eval_setup import PeriodicEval, check_eval_setup, held_out_error, split_for_eval
+from .data_setup import build_training_data
+from .eval_setup import PeriodicEval, check_eval_setup
 from .hf_start import model_info, tokenizer_spec
 from .metrics import MetricsLogger
 from .rope_stages import global_rope_length, rope_banner, rope_row, stage_ropes, trained_rope_info
@@ -157,9 +158,8 @@ def train(cfg: JobConfig) -> list[dict]:
     dims = validate_config(cfg, world)
     tokenizer = build_tokenizer(tokenizer_spec(cfg))
     vocab_size = resolve_vocab_size(cfg, tokenizer.vocab_size)
-    source = build_source(cfg.data.path, cfg.data.text_key, cfg.data.max_corpus_mb)
-    # With eval.holdout_fraction training reads only the documents outside the split.
-    source, held_out = split_for_eval(cfg, source)
+    data = build_training_data(cfg)  # data.path or data.sources; held-out documents of [eval]
+    held_out = data.held_out
     if cfg.eval.interval:
         check_eval_setup(cfg, tokenizer)
     schedule = cfg.context_schedule()
@@ -171,40 +171,28 @@ def train(cfg: JobConfig) -> list[dict]:
     )
 
     device, owns_group = init_distributed(cpu_collectives=cfg.memory.offload_params)
-    args = (cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule, held_out)
+    args = (cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, held_out)
     if not owns_group:  # a caller's group: leave its lifetime to the caller
         return _run(*args)
     with finish_together():
         return _run(*args)
 
 
-def _check_data_on_rank0(cfg: JobConfig, source, tokenizer, schedule, device, held_out=None) -> None:
+def _check_data_on_rank0(data, tokenizer, schedule, device) -> None:
     """Rank 0 reads the data once; every rank raises the same DataError if it is unusable."""
     verdict = [None]
     if dist.get_rank() == 0:
-        first = max(schedule.stages, key=lambda st: schedule.tokens(st.start_step))
-        described = (
-            f"data.path={cfg.data.path!r}" if cfg.data.path
-            else f"the built-in corpus (data.max_corpus_mb={cfg.data.max_corpus_mb:g})"
-        ) + (f" with one step of {schedule.batch_for(first.seq_len)} x {first.seq_len} tokens "
-             f"(stage from step {first.start_step})")
-        try:
-            check_corpus(source, tokenizer, schedule.tokens(first.start_step), described=described)
-        except DataError as e:
-            verdict[0] = str(e)
-        if verdict[0] is None and cfg.eval.interval:
-            longest = max(cfg.eval.lengths or [st.seq_len for st in schedule.stages])
-            verdict[0] = held_out_error(held_out, tokenizer, cfg.eval.loss_rows, longest)
+        verdict[0] = data.verdict(tokenizer, schedule)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(verdict, src=0, device=device if device.type == "cuda" else None)
     if verdict[0] is not None:
         raise DataError(verdict[0])
 
 
-def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule, held_out) -> list[dict]:
+def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, held_out) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     # Before anything is built or written: a bad corpus stops the run here.
-    _check_data_on_rank0(cfg, source, tokenizer, schedule, device, held_out)
+    _check_data_on_rank0(data, tokenizer, schedule, device)
     torch.manual_seed(cfg.job.seed)
     pmesh = dims.build_mesh(device.type)
 
@@ -218,16 +206,14 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
     # A resumed run takes its weights from the checkpoint: no init, no HF load.
     model = build_model(cfg, pmesh, vocab_size, device, init_weights=latest is None)
     optimizer = build_optimizer(cfg, model)
-    stream = TokenStream(source, tokenizer, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
-    loader = PackedLoader(stream, dp_rank=pmesh.dp_rank, dp_size=dims.dp)
     info = model_info(cfg, model.args)
     ropes = stage_ropes(cfg, model.args)  # each stage's rope (checked in validate_config)
 
-    start_step = 0
+    start_step, data_state = 0, None
     if ckpt.enable:
         if latest is not None:
             state = ckpt.load(latest, model, optimizer)
-            loader.load_state_dict(state["data"])
+            data_state = state["data"]
             start_step = int(state["step"])
             saved = state.get("context", {}).get("seq_len")
             if saved is not None and saved != schedule.seq_len(start_step):
@@ -243,7 +229,9 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
                     f"{ropes[schedule.stage_index(start_step)].describe()}"
                 )
             _print0(f"resumed from {ckpt.path(latest)} (step {start_step}, "
-                    f"{loader.tokens_seen} tokens seen)")
+                    f"{data_state['tokens_seen']} tokens seen)")
+    # This rank's rows from the checkpointed position on, read ahead in a thread.
+    loader = data.loader(tokenizer, pmesh.dp_rank, dims.dp, schedule, start_step, data_state)
 
     if start_step >= cfg.training.steps:
         _print0(
@@ -261,8 +249,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         f"{f' (ring {dims.ring} x ulysses {dims.ulysses})' if dims.ring > 1 else ''}\n"
         f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
-        f"  data {cfg.data.path or 'built-in stdlib corpus'}: {len(source)} documents; "
-        f"{schedule}\n"
+        f"  {data.banner(schedule, loader.source_tokens())}\n  {data.loading_banner()}\n"
         f"{rope_banner(schedule, ropes)}\n"
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
         f"  {_eval_banner(cfg, held_out)}; {_timing_banner(cfg, dims.sp, timer is not None)}"
@@ -301,7 +288,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
             if step > start_step + 1:
                 _print0(f"step {step}: rope -> {rope.describe()}")
             model.set_rope(rope)
-        batch = loader.next_batch(batch_size, seq_len)
+        batch = loader.batch_for(step)
         local = shard_batch(batch, pmesh.sp, pad=False)
         local = {k: None if v is None else v.to(device) for k, v in local.items()}
         # Valid targets of the whole global batch: every rank divides by it.
@@ -338,7 +325,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
             step_tokens=batch_size * seq_len,
             step_time=step_time,
             # Read after the loss was fetched: on CUDA the exchange events are done.
-            extra={**rope_row(rope),
+            extra={**rope_row(rope), **data.step_metrics(loader),
                    **(exchange_metrics(timer.read(), step_time) if timer is not None else {})},
         )
         if row is not None:
@@ -367,6 +354,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
                 model_info={**info, **trained_rope_info(schedule, ropes, step)},
             )
             _print0(f"saved checkpoint {ckpt.path(step)}")
+    loader.close()
     metrics.close()
     return rows
 
