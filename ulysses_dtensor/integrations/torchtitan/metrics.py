@@ -108,9 +108,10 @@ def max_loss_config(metrics: MetricsProcessor.Config) -> UlyssesMetricsProcessor
         return metrics
     if type(metrics) is not MetricsProcessor.Config:
         raise ValueError(
-            f"metrics is a {type(metrics).__qualname__}: under Ulysses the max loss needs "
-            f"{UlyssesMetricsProcessor.__module__}.UlyssesMetricsProcessor; derive your "
-            "metrics processor from it, or use torchtitan's MetricsProcessor.Config"
+            f"metrics: {type(metrics).__qualname__} would log torchtitan's max loss, which is "
+            f"wrong under a sequence split; derive your metrics processor from "
+            f"{UlyssesMetricsProcessor.__module__}.UlyssesMetricsProcessor (and its Config), or "
+            "use torchtitan's MetricsProcessor.Config"
         )
     return derive(metrics, UlyssesMetricsProcessor.Config)
 
