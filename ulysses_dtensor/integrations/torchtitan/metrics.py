@@ -15,7 +15,9 @@ torchtitan's and already right under Ulysses: the average loss (loss shares
 summed over dp x sp), the gradient norm (of the full gradients), tokens seen
 (each rank counts the real tokens of its slice, summed over dp x sp), and
 tokens/s, TFLOPS and MFU per device (a data rank's tokens divided by the cp
-axis, i.e. by sp). Memory figures are the logging rank's.
+axis, i.e. by sp). Memory figures are the logging rank's. The validator's loss
+(:class:`~.trainer.UlyssesValidator`) is right as torchtitan computes it: the
+slices' loss sums added over dp x sp, over the valid tokens counted over dp.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 
-__all__ = ["SampleLossTally", "UlyssesMetricsProcessor"]
+__all__ = ["SampleLossTally", "UlyssesMetricsProcessor", "max_loss_config"]
 
 
 class SampleLossTally:
