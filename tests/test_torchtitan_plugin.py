@@ -316,12 +316,14 @@ def config_worker(rank: int, world: int) -> dict | None:
     import io
     from types import SimpleNamespace
 
+    from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.config import ConfigManager
     from torchtitan.config.override import apply_overrides
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     from ulysses_dtensor.integrations.torchtitan import config_registry as registry
     from ulysses_dtensor.integrations.torchtitan.attention import OVERRIDE_TARGET, UlyssesInnerAttention
+    from ulysses_dtensor.integrations.torchtitan.metrics import max_loss_config
     from ulysses_dtensor.integrations.torchtitan.parallelize import parallelize_ulysses
     from ulysses_dtensor.integrations.torchtitan.trainer import UlyssesConfig, UlyssesTrainer, prepare_config
 
@@ -343,13 +345,20 @@ def config_worker(rank: int, world: int) -> dict | None:
         == stock.training,
         "stock_rest": all(
             getattr(cfg, f) == getattr(stock, f)
-            for f in ("optimizer", "lr_scheduler", "dataloader", "activation_checkpoint", "loss", "metrics")
+            for f in ("optimizer", "lr_scheduler", "dataloader", "activation_checkpoint", "loss")
         ),
         "stock_model": (cfg.model_spec.name, cfg.model_spec.flavor) == ("llama3", "debugmodel"),
     }
 
     # What UlyssesTrainer.__init__ does, then what torchtitan's Trainer.__init__
     # does with the override imports (before it builds the model).
+    out["metrics"] = {  # torchtitan's stock metrics settings, in the Ulysses processor's config
+        "type": type(cfg.metrics).__qualname__,
+        "stock_fields": all(getattr(cfg.metrics, f.name) == getattr(stock.metrics, f.name)
+                            for f in dataclasses.fields(stock.metrics)),
+        # a hand-made config with torchtitan's own is converted too
+        "converted": type(max_loss_config(stock.metrics)).__qualname__,
+    }
     prepare_config(cfg)
     applied = apply_overrides(cfg.override, cfg)
     inner = [layer.attention.inner_attention for layer in cfg.model_spec.model.layers]
@@ -375,8 +384,14 @@ def config_worker(rank: int, world: int) -> dict | None:
             return str(e)
         return "no error"
 
+    class OtherMetrics(MetricsProcessor):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(MetricsProcessor.Config):
+            pass
+
     par, train = base.parallelism, base.training
     out["errors"] = {
+        "metrics": error(lambda: max_loss_config(OtherMetrics.Config())),
         "cp": error(lambda: dataclasses.replace(base, parallelism=dataclasses.replace(par, context_parallel_degree=2))),
         "balancer": error(lambda: dataclasses.replace(
             base, parallelism=dataclasses.replace(par, context_parallel_load_balancer="headtail"))),
@@ -413,9 +428,13 @@ def test_configs_and_errors():
         "qwen3_1_7b_ulysses": 8, "qwen3_14b_ulysses": 8,
     }
     assert out["dims"] == {"cp": 2, "dp_shard": 1, "world": 2}
+    assert out["metrics"] == {"type": "UlyssesMetricsProcessor.Config", "stock_fields": True,
+                              "converted": "UlyssesMetricsProcessor.Config"}
 
     errors = out["errors"]
     expected = {
+        "metrics": ["OtherMetrics.Config would log torchtitan's max loss", "UlyssesMetricsProcessor",
+                    "MetricsProcessor.Config"],
         "cp": ["context_parallel_degree=2", "ulysses.degree"],
         "balancer": ["context_parallel_load_balancer='headtail'", "set it to None"],
         "spmd": ["spmd_backend='spmd_types'", "'partial_dtensor'"],

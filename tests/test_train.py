@@ -98,7 +98,7 @@ def test_end_to_end_4_ranks(reference):
         total += BATCH * SCHEDULE[s]
         seen.append(total)
     assert [r["tokens_seen"] for r in rows] == seen
-    for key in ("loss", "grad_norm", "lr", "tps", "mfu", "peak_memory_gib"):
+    for key in ("loss", "grad_norm", "lr", "tps", "mfu", "peak_memory_gib_per_device"):
         assert all(key in r for r in rows)
     assert rows[0]["mfu"] is None  # CPU without metrics.peak_flops
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.3

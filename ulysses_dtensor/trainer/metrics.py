@@ -1,19 +1,31 @@
 """Per-step training metrics: console line, ``metrics.jsonl``, optional TensorBoard.
 
-Every figure is global and counts each token once: the loss is the token-mean
-over the whole global batch (the sum of every rank's share), ``tokens_seen`` and
-``tps`` count the tokens of the global batch (not multiplied by sp, not divided
-by dp). ``tps_per_device`` divides by the world size.
+Three kinds of figure, and the field names say which:
 
-MFU = tps_per_device * model FLOPs per token (matmuls + causal attention at the
-step's sequence length) / peak FLOP/s of one device. Peaks are dense bf16:
-H100 and H200 989e12, A100 312e12; elsewhere (CPU) MFU is null unless
-``metrics.peak_flops`` is set. Peak memory is this rank's (rank 0's): CUDA max
-allocated, or on CPU the process's max resident set size.
+* the same on every mesh (1 process or any dp x sp): ``loss`` (token mean over
+  the whole global batch: the sum of every rank's share), ``grad_norm`` (of the
+  full gradients), ``lr``, ``seq_len``, ``batch_size`` (sequences of the global
+  batch) and ``tokens_seen`` (tokens of the global batches so far, each counted
+  once: not multiplied by sp, not divided by dp);
+* per device, named ``*_per_device``: ``tps_per_device`` (the global tokens/s
+  over the world size) and ``peak_memory_gib_per_device`` (the highest peak of
+  any one device: CUDA max allocated, or on CPU the process's max resident set);
+* timing: ``step_time``, ``time``, ``tps`` (global tokens/s), ``mfu``, and with
+  sp > 1 (eager) rank 0's time in the Ulysses all-to-alls (``exchange_ms``,
+  split ``exchange_fwd_ms`` / ``exchange_bwd_ms``) and its share of the step's
+  wall time (``exchange_share``); see :mod:`ulysses_dtensor.comm_timing`.
 
-With sp > 1 (eager) rows also carry rank 0's time in the Ulysses all-to-alls
-(``exchange_ms``, split ``exchange_fwd_ms`` / ``exchange_bwd_ms``) and its share
-of the step's wall time (``exchange_share``); see :mod:`ulysses_dtensor.comm_timing`.
+From the global tokens of the step (``batch_size x seq_len``), its wall time and
+the world size::
+
+    tps            = batch_size * seq_len / step_time
+    tps_per_device = tps / world_size
+    mfu            = tps_per_device * flops_per_token(seq_len) / peak_flops
+
+``flops_per_token`` is the model's (matmuls + causal attention at the step's
+sequence length, forward and backward). Peaks are dense bf16: H100 and H200
+989e12, A100 312e12; elsewhere (CPU) MFU is null unless ``metrics.peak_flops``
+is set.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["MetricsLogger", "peak_flops_for", "peak_memory_gib", "progress_bar"]
 
@@ -49,6 +62,7 @@ def peak_flops_for(device: torch.device, override: float = 0.0) -> float | None:
 
 
 def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory on ``device``."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     # ru_maxrss is KiB on Linux, bytes on macOS.
@@ -68,8 +82,18 @@ def _fmt_count(x: float) -> str:
     return f"{x:.0f}"
 
 
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest ``value`` of any rank (a collective when the world has several)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 class MetricsLogger:
-    """Rank 0 writes; other ranks' calls are no-ops (they still pass their numbers)."""
+    """Rank 0 writes. Every rank calls :meth:`log` each step (with its own
+    numbers): the per-device memory is a maximum over the ranks."""
 
     def __init__(
         self,
@@ -136,6 +160,7 @@ class MetricsLogger:
         step_time: float,
         extra: dict | None = None,
     ) -> dict | None:
+        memory = max_over_ranks(peak_memory_gib(self.device), self.device)
         if self.rank != 0:
             return None
         tps = step_tokens / step_time if step_time > 0 else float("nan")
@@ -154,7 +179,7 @@ class MetricsLogger:
             "tps": tps,
             "tps_per_device": per_device,
             "mfu": mfu,
-            "peak_memory_gib": peak_memory_gib(self.device),
+            "peak_memory_gib_per_device": memory,
             "step_time": step_time,
             "time": time.time(),
         }
@@ -164,7 +189,7 @@ class MetricsLogger:
             fh.write(json.dumps(_finite(row)) + "\n")
         if self.tb is not None:
             for key in ("loss", "grad_norm", "lr", "tps", "tps_per_device", "mfu",
-                        "peak_memory_gib", "seq_len", "exchange_ms", "exchange_share"):
+                        "peak_memory_gib_per_device", "seq_len", "exchange_ms", "exchange_share"):
                 if row.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", row[key], step)
         if step % self.log_freq == 0 or step == self.total_steps:
@@ -180,7 +205,7 @@ class MetricsLogger:
             f"seq {row['seq_len']} loss {row['loss']:.4f} gnorm {row['grad_norm']:.3f} "
             f"lr {row['lr']:.2e} tok/s {_fmt_count(row['tps'])} "
             f"({_fmt_count(row['tps_per_device'])}/dev) mfu {mfu} "
-            f"mem {row['peak_memory_gib']:.2f}GiB seen {_fmt_count(row['tokens_seen'])}{a2a}"
+            f"mem {row['peak_memory_gib_per_device']:.2f}GiB/dev seen {_fmt_count(row['tokens_seen'])}{a2a}"
         )
 
     def close(self) -> None:

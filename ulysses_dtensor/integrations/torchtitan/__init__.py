@@ -11,6 +11,8 @@ Pieces, each on one of torchtitan's extension points:
   Ulysses switched on (``ulysses.degree``, ``ulysses.attention_backend``);
 * :mod:`.trainer`: ``UlyssesTrainer`` (a ``Trainer`` subclass with its
   ``Config``), ``UlyssesValidator``;
+* :mod:`.metrics`: ``UlyssesMetricsProcessor`` (torchtitan's, with the max
+  loss taken over whole samples, not sp slices);
 * :mod:`.parallelize`: the ``ModelSpec.parallelize_fn`` (our ``UlyssesAttention``
   at ``layers.*.attention.inner_attention``, then torchtitan's AC, compile, FSDP2);
 * :mod:`.attention`: our local backends as an inner-attention module, installed
@@ -30,6 +32,7 @@ _EXPORTS = {
     "UlyssesConfig": ".trainer",
     "UlyssesTrainer": ".trainer",
     "UlyssesValidator": ".trainer",
+    "UlyssesMetricsProcessor": ".metrics",
     "UlyssesInnerAttention": ".attention",
     "parallelize_ulysses": ".parallelize",
     "ulysses_model_spec": ".parallelize",

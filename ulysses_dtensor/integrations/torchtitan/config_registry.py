@@ -2,8 +2,8 @@
 
 Each is torchtitan's stock config of the same model with Ulysses switched on:
 ``UlyssesTrainer.Config`` with every stock field copied, ``ulysses.degree``
-and ``ulysses.attention_backend`` set, and the torchtitan settings our
-layout needs (``parallelism.spmd_backend='partial_dtensor'``, no
+and ``ulysses.attention_backend`` set, the metrics processor whose max loss
+is right under a sequence split, and the torchtitan settings our layout needs (``parallelism.spmd_backend='partial_dtensor'``, no
 context-parallel load balancer, no CUDA graphs). Any field can still be changed on the
 command line, e.g. ``--ulysses.degree 4 --training.seq_len 65536``.
 """
@@ -17,6 +17,7 @@ from torchtitan.models.llama3 import config_registry as llama3
 from torchtitan.models.qwen3 import config_registry as qwen3
 from torchtitan.trainer import Trainer
 
+from .metrics import max_loss_config
 from .trainer import UlyssesConfig, UlyssesTrainer, UlyssesValidator
 
 __all__ = [
@@ -37,6 +38,7 @@ def ulysses_config(base: Trainer.Config, *, degree: int, attention_backend: str 
     )
     fields["training"] = dataclasses.replace(base.training, disable_cuda_graphs=True)
     fields["validator"] = derive(base.validator, UlyssesValidator.Config)
+    fields["metrics"] = max_loss_config(base.metrics)
     return UlyssesTrainer.Config(
         **fields, ulysses=UlyssesConfig(degree=degree, attention_backend=attention_backend)
     )

@@ -11,6 +11,9 @@ torchtitan's own context parallelism runs: the parallelize function is ours
 (:mod:`.parallelize`), and so is the batch step (:mod:`.batch`), here and in
 the validator. ``parallelism.context_parallel_degree`` therefore stays 1.
 
+Metrics: torchtitan's, except its max loss, which the plug-in takes over whole
+samples (the sp ranks of a group add their loss sums first; see :mod:`.metrics`).
+
 Extension points used (nothing inside torchtitan is patched): a ``Trainer``
 subclass with its nested ``Config``, ``ModelSpec.parallelize_fn`` replaced with
 ``dataclasses.replace``, a ``Validator`` subclass, and the override registry
@@ -37,6 +40,7 @@ from ...suggest import unknown_name
 from ._torch_compat import ensure_set_timeout
 from .attention import OVERRIDE_TARGET
 from .batch import shard_for_sp
+from .metrics import UlyssesMetricsProcessor, max_loss_config
 from .parallelize import check_heads, ulysses_model_spec
 
 __all__ = [
@@ -146,6 +150,7 @@ def prepare_config(config: "UlyssesTrainer.Config") -> None:
     applies to the config tree before the model is built.
     """
     config.model_spec = ulysses_model_spec(config.model_spec, pack_qkv=config.ulysses.pack_qkv)
+    config.metrics = max_loss_config(config.metrics)
     imports = [e if isinstance(e, str) else e[0] for e in config.override.imports]
     if config.ulysses.attention_backend != "model" and OVERRIDE_TARGET not in imports:
         config.override.imports = [
@@ -181,6 +186,7 @@ class UlyssesTrainer(Trainer):
         parallelism: ParallelismConfig = field(default_factory=_parallelism_defaults)
         training: TrainingConfig = field(default_factory=_training_defaults)
         validator: UlyssesValidator.Config = field(default_factory=UlyssesValidator.Config)
+        metrics: UlyssesMetricsProcessor.Config = field(default_factory=UlyssesMetricsProcessor.Config)
 
         def __post_init__(self):
             Trainer.Config.__post_init__(self)  # slots dataclasses: no zero-arg super()
@@ -220,6 +226,20 @@ class UlyssesTrainer(Trainer):
             world_size=world_size,
             spmd_backend=p.spmd_backend,
         )
+
+    def train_step(self, data_iterator) -> None:
+        self.metrics_processor.sample_losses.reset()
+        super().train_step(data_iterator)
+
+    def forward_backward_step(
+        self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        loss = super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
+        # labels: this data rank's rows before the sp split (the max loss counts them)
+        self.metrics_processor.sample_losses.add(loss, labels, global_valid_tokens)
+        return loss
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor

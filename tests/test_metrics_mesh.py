@@ -1,0 +1,235 @@
+"""No figure depends on the mesh unless its name says so.
+
+One small job (3 steps of 4 x 64 tokens from a warm-up lr, then the held-out
+loss by position and the passkey task at step 3, the built-in corpus with 5%
+held out) runs on one process and on four gloo ranks as dp_shard 2 x sp 2,
+ring 2 x ulysses 2 and dp_replicate 2 x sp 2. Every field of ``metrics.jsonl``
+and ``eval.jsonl`` is classified, from the rows themselves (a new field fails
+the test until it is classified):
+
+* invariant: equal on every mesh (exactly for counts, within fp32 noise for
+  losses and norms);
+* per device: named ``*_per_device`` / ``*_per_rank`` and named in README.md;
+* timing (wall clock) and the mesh description: not compared.
+
+The logged throughput is checked against its formula on every mesh: ``tps x
+step_time`` is the step's global tokens, ``tps_per_device`` is ``tps`` over the
+world size, and ``mfu`` is ``tps_per_device x flops_per_token(seq_len) /
+peak_flops``. ``test_throughput_formula`` checks the same figures on a synthetic
+step time.
+
+To check another model kind, add its arguments to ``MODELS``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from distributed import run_ranks
+from ulysses_dtensor.trainer.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, SEQ, BATCH, EVAL_LENGTH = 3, 64, 4, 224  # passkey needs 211 byte tokens
+PEAK_FLOPS = 1e12
+
+# model kind -> trainer arguments (the lead adds the transformers path here)
+MODELS = {
+    "llama": ["--model.flavor", "debug"],
+}
+# name -> (dp_replicate, dp_shard, sp, ring)
+MESHES = {
+    "dp2 x sp2": (1, 2, 2, 1),
+    "ring2 x ulysses2": (1, 1, 4, 2),
+    "dp_replicate2 x sp2": (2, 1, 2, 1),
+}
+REFERENCE = "1 process"
+
+INVARIANT, PER_DEVICE, TIMING, MESH = "invariant", "per device", "timing", "mesh"
+METRIC_FIELDS = {
+    **dict.fromkeys(("step", "seq_len", "batch_size", "loss", "grad_norm", "lr", "tokens_seen",
+                     "rope_type", "rope_theta", "rope_factor"), INVARIANT),
+    **dict.fromkeys(("tps_per_device", "peak_memory_gib_per_device"), PER_DEVICE),
+    **dict.fromkeys(("tps", "mfu", "step_time", "time", "exchange_ms", "exchange_fwd_ms", "exchange_bwd_ms",
+                     "exchange_share", "data_wait_ms"), TIMING),
+}
+EVAL_FIELDS = {
+    **dict.fromkeys(("kind", "step", "lengths", "tasks", "length", "rows", "tokens", "loss", "start", "end",
+                     "task", "depth", "samples", "accuracy", "mean_logprob", "correct", "needle_index",
+                     "answer", "answer_tokens"), INVARIANT),
+    "forward_passes_per_rank": PER_DEVICE,
+    **dict.fromkeys(("seconds", "train_step_seconds", "train_steps_equivalent"), TIMING),
+    "mesh": MESH,
+}
+FP32 = dict(rel=2e-5, abs=1e-6)
+
+
+def _args(dump: Path, model: str, mesh: tuple[int, int, int, int]) -> list[str]:
+    rep, shard, sp, ring = mesh
+    return [
+        "--config", str(REPO / "train_configs" / "debug_model.toml"),
+        *MODELS[model],
+        "--job.dump_folder", str(dump),
+        "--training.steps", str(STEPS), "--training.seq_len", str(SEQ),
+        "--training.global_batch_size", str(BATCH),
+        "--lr_scheduler.warmup_steps", "2",
+        "--checkpoint.enable", "false",
+        "--metrics.log_freq", "1", "--metrics.peak_flops", str(PEAK_FLOPS),
+        "--parallelism.dp_replicate", str(rep), "--parallelism.dp_shard", str(shard),
+        "--parallelism.sp", str(sp), "--parallelism.ring", str(ring),
+        "--eval.interval", str(STEPS), "--eval.lengths", str(EVAL_LENGTH), "--eval.tasks", "loss,passkey",
+        "--eval.depths", "2", "--eval.loss_rows", "2", "--eval.holdout_fraction", "0.05",
+    ]
+
+
+def _train_jobs(rank: int, world: int, jobs: list) -> None:
+    from ulysses_dtensor.trainer.loop import train
+
+    for argv in jobs:
+        train(load_config(argv))
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def runs(request, tmp_path_factory):
+    """{mesh name: (metric rows, eval rows, world size, argv)} of one model kind."""
+    model = request.param
+    root = tmp_path_factory.mktemp(f"metrics-{model}")
+    argv = {REFERENCE: _args(root / "ref", model, (1, 1, 1, 1))}
+    argv.update({name: _args(root / f"m{i}", model, mesh) for i, (name, mesh) in enumerate(MESHES.items())})
+    _train_jobs(0, 1, [argv[REFERENCE]])  # a world of one, as `python -m ulysses_dtensor.train` runs
+    run_ranks(4, _train_jobs, [argv[name] for name in MESHES])
+    out = {}
+    for name, args in argv.items():
+        dump = Path(args[args.index("--job.dump_folder") + 1])
+        world = 1 if name == REFERENCE else math.prod(MESHES[name][:3])
+        out[name] = (_rows(dump / "metrics.jsonl"), _rows(dump / "eval" / "eval.jsonl"), world, args)
+    return model, out
+
+
+def _classify(rows: list[dict], classes: dict[str, str], where: str) -> dict[str, str]:
+    unknown = sorted({key for row in rows for key in row} - set(classes))
+    assert not unknown, (
+        f"{where} has fields {unknown} that this test does not classify: add each to "
+        f"{'METRIC_FIELDS' if where == 'metrics.jsonl' else 'EVAL_FIELDS'} as invariant (same on every "
+        f"mesh), per device (name it *_per_device / *_per_rank) or timing"
+    )
+    return {key: classes[key] for row in rows for key in row}
+
+
+def _difference(a, b) -> float:
+    """0 for equal values; the absolute difference of two floats; inf for any other mismatch."""
+    if isinstance(a, float) or isinstance(b, float):
+        if a is None or b is None:
+            return 0.0 if a is b else math.inf
+        if a == pytest.approx(b, **FP32):
+            return abs(a - b)
+        return math.inf
+    return 0.0 if a == b else math.inf
+
+
+def _compare(name: str, rows: list[dict], ref: list[dict], classes: dict, worst: dict, prefix: str = "") -> None:
+    assert [r.get("kind") for r in rows] == [r.get("kind") for r in ref], name
+    for row, expected in zip(rows, ref):
+        keys = {k for k in row if classes[k] == INVARIANT}
+        assert keys == {k for k in expected if classes[k] == INVARIANT}, (name, row, expected)
+        for key in keys:
+            diff = _difference(row[key], expected[key])
+            assert diff != math.inf, (
+                f"{name}: {key} = {row[key]!r}, on one process {expected[key]!r} (row {expected})")
+            worst[prefix + key] = max(worst.get(prefix + key, 0.0), diff)
+
+
+def test_every_invariant_figure_equals_one_process(runs):
+    model, out = runs
+    ref_metrics, ref_eval, _, _ = out[REFERENCE]
+    assert [r["step"] for r in ref_metrics] == list(range(1, STEPS + 1))
+    metric_classes = _classify([r for m, *_ in out.values() for r in m], METRIC_FIELDS, "metrics.jsonl")
+    eval_classes = _classify([r for _, e, *_ in out.values() for r in e], EVAL_FIELDS, "eval.jsonl")
+    # The features the comparison must see: an lr that changes, losses and a passkey grid.
+    assert len({r["lr"] for r in ref_metrics}) == STEPS
+    assert {r["kind"] for r in ref_eval} == {"position_loss", "loss", "retrieval", "retrieval_mean", "eval"}
+
+    table = []
+    for name in MESHES:
+        metrics, evals, _, _ = out[name]
+        worst: dict[str, float] = {}
+        _compare(name, metrics, ref_metrics, metric_classes, worst)
+        _compare(name, evals, ref_eval, eval_classes, worst, prefix="eval.")
+        # each run ran on the mesh it was asked for
+        (summary,) = [r for r in evals if r["kind"] == "eval"]
+        rep, shard, sp, ring = MESHES[name]
+        assert summary["mesh"] == {"dp_replicate": rep, "dp_shard": shard, "sp": sp, "ring": ring}, name
+        table.append((name, worst))
+    print(f"\nmodel {model}: max |difference| to one process, per invariant field")
+    for name, worst in table:
+        print(f"  {name:>20}: " + ", ".join(f"{k} {v:.1e}" for k, v in sorted(worst.items())))
+    # Every invariant field was compared on every mesh.
+    invariant = {k for k, c in metric_classes.items() if c == INVARIANT}
+    invariant |= {"eval." + k for k, c in eval_classes.items() if c == INVARIANT}
+    for name, worst in table:
+        assert set(worst) == invariant, (name, invariant - set(worst))
+
+
+def test_per_device_figures_are_labelled(runs):
+    _, out = runs
+    readme = (REPO / "README.md").read_text()
+    rows = [r for m, e, *_ in out.values() for r in m + e]
+    per_device = sorted({k for r in rows for k in r if {**METRIC_FIELDS, **EVAL_FIELDS}.get(k) == PER_DEVICE})
+    assert per_device == ["forward_passes_per_rank", "peak_memory_gib_per_device", "tps_per_device"]
+    for key in per_device:
+        assert key.endswith(("_per_device", "_per_rank")), key
+        assert f"`{key}`" in readme, f"README.md does not name the per-device field {key}"
+
+
+def test_throughput_follows_the_formula_on_every_mesh(runs):
+    """tps from the global tokens of the step; per device over the world size; MFU from it."""
+    import torch
+
+    from ulysses_dtensor.data import build_tokenizer
+    from ulysses_dtensor.models.llama import Llama
+    from ulysses_dtensor.trainer.config import model_args
+    from ulysses_dtensor.trainer.loop import resolve_vocab_size
+
+    model, out = runs
+    for name, (metrics, _, world, argv) in out.items():
+        cfg = load_config(argv)
+        vocab = resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
+        with torch.device("meta"):
+            flops = Llama(model_args(cfg, vocab)).flops_per_token
+        for r in metrics:
+            assert r["tps"] * r["step_time"] == pytest.approx(r["batch_size"] * r["seq_len"], rel=1e-12), name
+            assert r["tps_per_device"] == pytest.approx(r["tps"] / world, rel=1e-12), name
+            assert r["mfu"] == pytest.approx(r["tps_per_device"] * flops(r["seq_len"]) / PEAK_FLOPS, rel=1e-12)
+            assert r["peak_memory_gib_per_device"] > 0
+
+
+def test_throughput_formula(tmp_path):
+    """tps = global tokens / step time, tps_per_device = tps / world, mfu = that x FLOPs per token / peak."""
+    import torch
+
+    from ulysses_dtensor.trainer.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, rank=0, world_size=8, total_steps=2, device=torch.device("cpu"),
+                           flops_per_token=lambda seq: 6_000_000 + 1_000 * seq, peak_flops=1e12,
+                           show_progress=False)
+    # 4 sequences of 1024 tokens in 0.5 s on 8 devices
+    row = logger.log(step=1, seq_len=1024, batch_size=4, loss=2.0, grad_norm=1.0, lr=1e-3,
+                     tokens_seen=4096, step_tokens=4 * 1024, step_time=0.5)
+    assert row["tps"] == 8192.0
+    assert row["tps_per_device"] == 1024.0
+    assert row["mfu"] == pytest.approx(1024.0 * (6_000_000 + 1_024_000) / 1e12, rel=1e-15)  # 0.00719258
+    assert row["mfu"] == pytest.approx(0.007192576, rel=1e-9)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["tps_per_device"] == 1024.0
+    # No known peak (CPU) and no metrics.peak_flops: MFU is null, tokens/s still exact.
+    plain = MetricsLogger(tmp_path / "b", rank=0, world_size=2, total_steps=1, device=torch.device("cpu"),
+                          flops_per_token=lambda seq: 1, show_progress=False)
+    row = plain.log(step=1, seq_len=8, batch_size=2, loss=0.0, grad_norm=0.0, lr=0.0, tokens_seen=16,
+                    step_tokens=16, step_time=0.25)
+    assert (row["tps"], row["tps_per_device"], row["mfu"]) == (64.0, 32.0, None)
