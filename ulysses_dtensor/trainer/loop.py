@@ -111,7 +111,11 @@ def build_model(
     config's (the memory planner's shorter traces)."""
     from ..models.llama import Llama
     from ..parallelize import parallelize_llama
+    from .hf_model import build_transformers_model, uses_transformers
 
+    if uses_transformers(cfg):  # transformers' own model class (model.implementation)
+        return build_transformers_model(cfg, pmesh, device, init_weights=init_weights,
+                                        n_layers=args.n_layers if args is not None else None)
     args = args or model_args(cfg, vocab_size)
     with torch.device("meta"):
         model = Llama(args)
@@ -251,6 +255,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
         f"{f' (ring {dims.ring} x ulysses {dims.ulysses})' if dims.ring > 1 else ''}\n"
         f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
+        f"  implementation {_implementation_banner(cfg)}\n"
         f"  data {cfg.data.path or 'built-in stdlib corpus'}: {len(source)} documents; "
         f"{schedule}\n"
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
@@ -348,6 +353,13 @@ def _run(cfg, dims, device, tokenizer, vocab_size, source, schedule, lr_schedule
             _print0(f"saved checkpoint {ckpt.path(step)}")
     metrics.close()
     return rows
+
+
+def _implementation_banner(cfg: JobConfig) -> str:
+    from .hf_model import resolve_implementation
+
+    impl = resolve_implementation(cfg)
+    return f"{impl.name} ({impl.reason})"
 
 
 def _eval_banner(cfg: JobConfig, held_out) -> str:
