@@ -75,7 +75,8 @@ def uses_transformers(cfg) -> bool:
 
 
 def _where(cfg) -> str:
-    return f"model.hf_path={cfg.model.hf_path!r} (model.implementation={cfg.model.implementation!r})"
+    """The model and why transformers builds it (for auto: why our Llama cannot)."""
+    return f"model.hf_path={cfg.model.hf_path!r} ({resolve_implementation(cfg).reason})"
 
 
 def _hf_config(cfg):
