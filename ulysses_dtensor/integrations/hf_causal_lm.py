@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import re
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -217,7 +216,7 @@ def check_output_head(model: nn.Module) -> OutputHeadSpec:
     ``meta`` (nothing of it is computed) and on a parallelized one (nothing
     collective runs). ValueError naming the class when the head does more.
     """
-    name = type(model).__name__
+    name = transformers_class(model).__name__
     head = model.get_output_embeddings()
     base_name = getattr(model, "base_model_prefix", "model")
     base = getattr(model, base_name, None)
@@ -227,6 +226,29 @@ def check_output_head(model: nn.Module) -> OutputHeadSpec:
             f"{name}: expected a decoder at .{base_name} and a linear output head among its direct "
             "children (as transformers' *ForCausalLM classes have); this layout is not supported"
         )
+    with _real_tensors():  # also under the memory planner's FakeTensorMode
+        return _check_output_head(model, name, base_name, head_name, head)
+
+
+def _is_fake(t: Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - other torch layouts
+        return False
+    return is_fake(t)
+
+
+def _real_tensors():
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - other torch layouts
+        import contextlib
+
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
+
+
+def _check_output_head(model, name, base_name, head_name, head) -> OutputHeadSpec:
     spec = output_head_spec(model.config)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 3, head.in_features, generator=gen)
@@ -240,7 +262,8 @@ def check_output_head(model: nn.Module) -> OutputHeadSpec:
     model._modules[base_name], model._modules[head_name] = _DecoderStub(hidden), probe
     try:
         with torch.no_grad():
-            out = type(model).forward(model, input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=False)
+            out = transformers_class(model).forward(model, input_ids=torch.zeros(1, 3, dtype=torch.long),
+                                                    use_cache=False)
         got = out.logits if hasattr(out, "logits") else out[0]
     except Exception as e:  # noqa: BLE001 - any failure means: not the layout we know
         raise ValueError(f"{name}: its forward does not run as lm_head(decoder(...)) ({type(e).__name__}: {e})") from None
@@ -255,12 +278,8 @@ def check_output_head(model: nn.Module) -> OutputHeadSpec:
 
 
 # ---------------------------------------------------------------------------
-# The head's two entry points (methods of the lm_head module, FSDP forward methods)
+# The head: lm_head, and with labels this rank's loss share (a module call, as our Llama's)
 # ---------------------------------------------------------------------------
-
-
-def _logits(head: nn.Linear, hidden: Tensor, spec: OutputHeadSpec) -> Tensor:
-    return spec.apply(F.linear(hidden, head.weight, head.bias))
 
 
 def _chunk_loss_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, spec: OutputHeadSpec) -> Tensor:
@@ -269,31 +288,43 @@ def _chunk_loss_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels:
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _loss_share(head: nn.Linear, hidden: Tensor, labels: Tensor, num_valid_tokens, spec: OutputHeadSpec,
-                chunks: int | None) -> Tensor:
-    """This rank's share of the global token-mean cross entropy (``sp_cross_entropy``)."""
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree")
-    seq = hidden.shape[1]
-    n = 1 if chunks == 1 else chunks or auto_num_tiles(seq, head.weight.shape[0], hidden.shape[-1])
-    n = max(1, min(n, seq))
-    if n == 1:
-        total = _chunk_loss_sum(hidden, head.weight, head.bias, labels, spec)
-    else:
-        total = hidden.new_zeros((), dtype=torch.float32)
-        step = math.ceil(seq / n)
-        for start in range(0, seq, step):
-            h, lab = hidden[:, start:start + step], labels[:, start:start + step]
-            args = (h, head.weight, head.bias, lab, spec)
-            total = total + (checkpoint(_chunk_loss_sum, *args, use_reentrant=False) if torch.is_grad_enabled()
-                             else _chunk_loss_sum(*args))
-    return total / torch.as_tensor(num_valid_tokens, device=total.device).clamp(min=1)
+class SPOutputHead:
+    """Mixed into the adapted model's ``lm_head`` class. Without labels it is the
+    plain linear layer (transformers' own forward still works); with labels its
+    forward returns this rank's share of the global token-mean cross entropy of
+    the transformed logits (``sp_cross_entropy``), over ``sp_loss_chunks``
+    sequence chunks each recomputed in backward (1: at once; None: from the
+    shapes). Computed inside the module's forward, so that under FSDP2 it runs
+    with the gathered weight (our Llama's ``OutputHead`` does the same)."""
+
+    sp_spec: OutputHeadSpec = OutputHeadSpec()
+    sp_loss_chunks: int | None = 1
+
+    def forward(self, hidden: Tensor, labels: Tensor | None = None, num_valid_tokens=None) -> Tensor:
+        if labels is None:
+            return super().forward(hidden)
+        if hidden.shape[:-1] != labels.shape:
+            raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree")
+        seq = hidden.shape[1]
+        n = self.sp_loss_chunks or auto_num_tiles(seq, self.weight.shape[0], hidden.shape[-1])
+        n = max(1, min(n, seq))
+        if n == 1:
+            total = _chunk_loss_sum(hidden, self.weight, self.bias, labels, self.sp_spec)
+        else:
+            total = hidden.new_zeros((), dtype=torch.float32)
+            step = math.ceil(seq / n)
+            for start in range(0, seq, step):
+                args = (hidden[:, start:start + step], self.weight, self.bias, labels[:, start:start + step],
+                        self.sp_spec)
+                total = total + (checkpoint(_chunk_loss_sum, *args, use_reentrant=False) if torch.is_grad_enabled()
+                                 else _chunk_loss_sum(*args))
+        return total / torch.as_tensor(num_valid_tokens, device=total.device).clamp(min=1)
 
 
 class _OutputHead:
     """``model.output``: the head as the evaluator uses our Llama's (called on hidden
     states, ``.weight`` of shape (vocab, dim)). Not a module: the parameters stay
-    where transformers put them."""
+    where transformers put them, under their names."""
 
     def __init__(self, head: nn.Linear):
         self._head = head
@@ -303,15 +334,17 @@ class _OutputHead:
         return self._head.weight
 
     def __call__(self, hidden: Tensor) -> Tensor:
-        return self._head.sp_logits(hidden)
+        return self._head.sp_spec.apply(self._head(hidden))
 
     def loss(self, hidden: Tensor, labels: Tensor, num_valid_tokens) -> Tensor:
-        return self._head.sp_loss(hidden, labels, num_valid_tokens)
+        return self._head(hidden, labels, num_valid_tokens)
 
 
 # ---------------------------------------------------------------------------
 # The adapter
 # ---------------------------------------------------------------------------
+
+_LABELS, _COUNT = "sp_labels", "sp_num_valid_tokens"  # forward keywords, unknown to transformers' pre-hooks
 
 
 class SPCausalLM:
@@ -321,19 +354,30 @@ class SPCausalLM:
                  *, labels: Tensor | None = None, num_valid_tokens: Tensor | int | None = None) -> Tensor:
         """Logits ``(B, s_local, vocab)`` of this rank's tokens, or with ``labels``
         (shifted, this rank's slice) its share of the global token-mean loss, as
-        :meth:`~ulysses_dtensor.models.llama.Llama.forward`."""
+        :meth:`~ulysses_dtensor.models.llama.Llama.forward`. A module call (hooks:
+        the integration's input checks, FSDP's root) of :meth:`forward`."""
         if labels is not None and num_valid_tokens is None:
             raise ValueError(
                 "labels given without num_valid_tokens: pass the valid-label count of the whole global "
                 "batch (count_valid_tokens(labels, pmesh.loss)) so every rank divides by the same number"
             )
-        return self.sp_forward(input_ids, position_ids, document_ids, labels, num_valid_tokens)
+        kwargs = {} if document_ids is None else {DOCUMENT_IDS_KWARG: document_ids}
+        if document_ids is None and position_ids is not None and _is_fake(position_ids):
+            # The memory planner's fake rows: the integration's check that positions do not
+            # restart would read values; its default (this rank's global positions) is theirs.
+            position_ids = None
+        return nn.Module.__call__(self, input_ids=input_ids, position_ids=position_ids, **kwargs,
+                                  **{_LABELS: labels, _COUNT: num_valid_tokens})
 
-    def sp_forward(self, input_ids, position_ids, document_ids, labels, num_valid_tokens):
-        h = self._sp_hidden(input_ids, position_ids, document_ids)
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, **kwargs) -> Tensor:
+        """The trainer's forward (transformers' own stays ``transformers_class(model).forward``)."""
+        labels, count = kwargs.pop(_LABELS, None), kwargs.pop(_COUNT, None)
+        h = self._sp_hidden(input_ids, position_ids, kwargs.pop(DOCUMENT_IDS_KWARG, None))
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} (trainer interface): unexpected arguments {sorted(kwargs)}")
         if labels is None:
             return self.output(h)
-        return self.output.loss(h, labels, num_valid_tokens)
+        return self.output.loss(h, labels, count)
 
     def hidden_states(self, input_ids: Tensor, position_ids: Tensor | None = None,
                       document_ids: Tensor | None = None) -> Tensor:
@@ -407,12 +451,29 @@ def _active_params(model: nn.Module, shape: CausalLMShape) -> int:
     return int(total)
 
 
-_ADAPTED_CLASSES: dict[type, type] = {}
+_ADAPTED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _subclass(cls: type, mixin: type) -> type:
+    """``cls`` with ``mixin`` first (once per class; an adapted class stays)."""
+    if issubclass(cls, mixin):
+        return cls
+    key = (cls, mixin)
+    if key not in _ADAPTED_CLASSES:
+        _ADAPTED_CLASSES[key] = type(f"SP{cls.__name__}", (mixin, cls), {})
+    return _ADAPTED_CLASSES[key]
 
 
 def transformers_class(model: nn.Module) -> type:
-    """The transformers class of ``model`` (under the classes FSDP and this adapter add)."""
-    return next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.")), type(model))
+    """The model's own class (a transformers class, or a user's subclass of one), under
+    the classes FSDP and this adapter put on top of it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for cls in type(model).__mro__:
+        if FSDPModule in cls.__bases__ or SPCausalLM in cls.__bases__ or SPOutputHead in cls.__bases__:
+            continue
+        return cls
+    return type(model)
 
 
 def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1) -> nn.Module:
@@ -434,26 +495,17 @@ def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1
         raise ValueError(f"loss_chunks={loss_chunks!r} must be a positive integer, or None for automatic")
     if getattr(model.config.get_text_config(), "output_router_logits", False):
         raise ValueError(
-            f"{type(model).__name__}: config.output_router_logits=True adds the router load-balancing "
+            f"{transformers_class(model).__name__}: config.output_router_logits=True adds the router load-balancing "
             "loss, which this interface does not compute; set it to false in config.json"
         )
     spec = check_output_head(model)
-    cls = type(model)
-    if not isinstance(model, SPCausalLM):
-        adapted = _ADAPTED_CLASSES.get(cls)
-        if adapted is None:
-            adapted = _ADAPTED_CLASSES[cls] = type(f"SP{cls.__name__}", (SPCausalLM, cls), {})
-        model.__class__ = adapted
+    model.__class__ = _subclass(type(model), SPCausalLM)
     head = model.get_output_embeddings()
-    head.sp_logits = types.MethodType(lambda self, h: _logits(self, h, spec), head)
-    head.sp_loss = types.MethodType(
-        lambda self, h, labels, n: _loss_share(self, h, labels, n, spec, loss_chunks), head)
-    for module, method in ((head, "sp_logits"), (head, "sp_loss"), (model, "sp_forward"), (model, "hidden_states")):
-        register_fsdp_forward_method(module, method)
+    head.__class__ = _subclass(type(head), SPOutputHead)
+    head.sp_spec, head.sp_loss_chunks = spec, loss_chunks
+    register_fsdp_forward_method(model, "hidden_states")  # the evaluator's entry point
     model.output = _OutputHead(head)
     model.args = causal_lm_shape(model.config, transformers_class(model).__name__)
-    model.output_spec = spec
-    model.loss_chunks = loss_chunks
     model._sp_degree = (pmesh.dims.sp, pmesh.sp_rank) if pmesh is not None else (1, 0)
     model._active_params = _active_params(model, model.args)
     return model
