@@ -5,10 +5,11 @@ in memory: the loader converts) is made with ``scripts/make_tiny_hf_model.py`` a
 trained with ``train_configs/debug_hf_moe.toml`` (progressive 32 -> 64 tokens):
 
 * in one process, on dp_shard 2 x sp 2 (full activation checkpointing, tiled
-  loss, checkpoints) and, resumed from its step-2 checkpoint, on HSDP
-  2 x (1 x sp 2) without either: every step's loss and gradient norm equal a
-  hand-written single-process loop over transformers' own model
-  (``from_pretrained``, each packed document run alone, AdamW, clipping);
+  loss, one all-to-all for q/k/v, checkpoints) and, resumed from its step-2
+  checkpoint, on HSDP 2 x (1 x sp 2) with selective activation checkpointing
+  and compiled layers: every step's loss and gradient norm equal a hand-written
+  single-process loop over transformers' own model (``from_pretrained``, each
+  packed document run alone, AdamW, clipping);
 * the trainer's evaluation (dp 2 x sp 2) and ``-m ulysses_dtensor.eval`` on its
   checkpoint (one process) give the same numbers;
 * ``-m ulysses_dtensor.export`` writes the source layout (per-expert tensors),
@@ -134,10 +135,11 @@ def runs(moe_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("hf_moe_runs")
     held_out = d / "held_out.txt"
     held_out.write_text(Path(json.__file__).read_text())  # documents training never reads
-    sharded = _args(moe_dir, d / "sharded", *_mesh(1, 2, 2), "--checkpoint.interval", "2",
-                    "--eval.interval", str(STEPS), *_eval_args(held_out))
-    resumed = _args(moe_dir, d / "resumed", *_mesh(2, 1, 2), "--activation_checkpoint.mode", "none",
-                    "--memory.tiled_loss", "false")
+    sharded = _args(moe_dir, d / "sharded", *_mesh(1, 2, 2), "--checkpoint.interval", "2", "--training.pack_qkv",
+                    "true", "--eval.interval", str(STEPS), *_eval_args(held_out))
+    resumed = _args(moe_dir, d / "resumed", *_mesh(2, 1, 2), "--activation_checkpoint.mode", "selective",
+                    "--memory.tiled_loss", "false", "--training.compile", "true", "--training.compile_backend",
+                    "aot_eager")
     run_ranks(4, _jobs, [(sharded, None),
                          (resumed, (d / "sharded" / "checkpoint" / "step-2", d / "resumed" / "checkpoint" / "step-2"))])
     return d, held_out
@@ -154,8 +156,8 @@ def test_trajectories_equal_transformers_on_every_mesh_and_on_resume(moe_dir, ru
     assert "implementation transformers (model.implementation='transformers')" in banner
     ref = _reference(moe_dir)
     runs_ = {"1 process": _rows(d / "single" / "metrics.jsonl"),
-             "dp_shard 2 x sp 2, full AC, tiled loss": _rows(d / "sharded" / "metrics.jsonl"),
-             "resumed at step 2 on HSDP 2 x sp 2": _rows(d / "resumed" / "metrics.jsonl")}
+             "dp_shard 2 x sp 2, full AC, tiled loss, packed q/k/v": _rows(d / "sharded" / "metrics.jsonl"),
+             "resumed at step 2 on HSDP 2 x sp 2, selective AC, compiled": _rows(d / "resumed" / "metrics.jsonl")}
     worst = 0.0
     for name, rows in runs_.items():
         first = 3 if name.startswith("resumed") else 1

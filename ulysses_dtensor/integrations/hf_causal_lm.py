@@ -469,10 +469,10 @@ def transformers_class(model: nn.Module) -> type:
     the classes FSDP and this adapter put on top of it."""
     from torch.distributed.fsdp import FSDPModule
 
+    wrappers = (FSDPModule, SPCausalLM, SPOutputHead)  # mixins, not modules themselves
     for cls in type(model).__mro__:
-        if FSDPModule in cls.__bases__ or SPCausalLM in cls.__bases__ or SPOutputHead in cls.__bases__:
-            continue
-        return cls
+        if issubclass(cls, nn.Module) and not any(w in cls.__bases__ for w in wrappers):
+            return cls
     return type(model)
 
 
