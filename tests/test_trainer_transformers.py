@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_ranks
-from ulysses_dtensor.trainer.config import ConfigError, load_config, validate_config
+from ulysses_dtensor.trainer.config import ConfigError, load_config, model_args, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -250,6 +250,20 @@ def test_export_is_the_source_layout_and_gives_the_trainers_logits(moe_dir, runs
 # ---------------------------------------------------------------------------
 
 
+# Qwen/Qwen3-30B-A3B's published config.json (written by transformers 4.51).
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
 def test_implementation_key_choices_and_refusals(moe_dir, tmp_path):
     from ulysses_dtensor.trainer.hf_model import resolve_implementation
 
@@ -295,6 +309,17 @@ def test_implementation_key_choices_and_refusals(moe_dir, tmp_path):
     config = json.loads((routed / "config.json").read_text())
     (routed / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
     refused(["--model.hf_path", str(routed)], "Qwen3MoeForCausalLM", "output_router_logits")
+    # The shipped GPU config validates with Qwen3-30B-A3B's published config.json in place (8 GPUs).
+    big = tmp_path / "Qwen3-30B-A3B"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    shutil.copy(next(moe_dir.glob("*.safetensors")), big / "model-00001-of-00016.safetensors")
+    gpu = load_config(["--config", str(REPO / "train_configs" / "qwen3_30b_a3b_128k.toml"), "--model.hf_path", str(big),
+                       "--data.path", "", "--job.dump_folder", str(tmp_path / "y")])
+    assert validate_config(gpu, 8).sp == 8 and [s.seq_len for s in gpu.stages()] == [32768, 65536, 131072]
+    shape = model_args(gpu, 0)
+    assert (shape.architecture, shape.num_experts, shape.experts_per_token, shape.n_kv_heads) == (
+        "Qwen3MoeForCausalLM", 128, 8, 4)
     not_lm = tmp_path / "t5"
     not_lm.mkdir()
     (not_lm / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"], "model_type": "t5"}))
