@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm, check_output_head  # noqa: E402
+from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm  # noqa: E402
+from ulysses_dtensor.integrations.hf_output_head import check_output_head  # noqa: E402
 from ulysses_dtensor.integrations.hf_weights import load_transformers_weights  # noqa: E402
 
 VOCAB, SEQ = 96, 20

@@ -16,7 +16,9 @@ with ``from_config`` on ``meta`` and parallelized loads any directory
   slices of its FSDP shards (collective over the default process group);
 * tensors transformers converts: their source tensors are read whole (one
   target at a time, e.g. one layer's experts), converted by transformers' own
-  operations, and each rank copies its shard (no collective).
+  operations, and each rank copies its shard (no collective). Every rank reads
+  these sources in full (for a large MoE: most of the checkpoint, from the page
+  cache after the first rank); host memory holds one target at a time.
 
 Buffers that no checkpoint holds (rotary ``inv_freq``, Gemma's ``embed_scale``)
 hold garbage after ``to_empty``; :func:`init_non_persistent_buffers` recomputes
@@ -26,7 +28,6 @@ them with transformers' own initialisation, touching nothing else.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from copy import deepcopy
 from pathlib import Path
 

@@ -150,7 +150,7 @@ def check_transformers_model(cfg, dims) -> None:
     except ValueError as e:  # not a causal LM architecture transformers knows
         raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {e}") from None
     from ..integrations.hf import _check_model
-    from ..integrations.hf_causal_lm import check_output_head
+    from ..integrations.hf_output_head import check_output_head
 
     name = type(model).__name__
     try:
