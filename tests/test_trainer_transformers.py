@@ -15,6 +15,7 @@ trained with ``train_configs/debug_hf_moe.toml`` (progressive 32 -> 64 tokens):
 * ``-m ulysses_dtensor.export`` writes the source layout (per-expert tensors),
   config.json and tokenizer files; ``from_pretrained`` on it gives the logits of
   the trainer's model;
+* the memory planner traces the same model (bf16; fp32 MoE is refused with the reason);
 * config mistakes and models the integration refuses stop before anything starts.
 """
 
@@ -325,3 +326,20 @@ def test_implementation_key_choices_and_refusals(moe_dir, tmp_path):
     (not_lm / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"], "model_type": "t5"}))
     shutil.copy(next(moe_dir.glob("*.safetensors")), not_lm)
     refused(["--model.hf_path", str(not_lm)], "not a causal LM transformers can build")
+
+
+def test_memory_planner_traces_the_transformers_model(moe_dir):
+    from ulysses_dtensor.estimate import plan_memory
+
+    argv = _args(moe_dir, "unused", *_mesh(1, 2, 2), "--training.mixed_precision_param", "bfloat16")
+    plan = plan_memory(load_config(argv), 4, 64, rows=1, device="cpu")
+    assert sum(plan.breakdown.values()) == plan.peak_bytes and plan.n_layers == SHAPE["layers"]
+    # fp32 masters sharded over dp_shard 2 x sp 2: a quarter of the parameters (FSDP pads dim 0 per rank)
+    from transformers import AutoModelForCausalLM
+
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(moe_dir).parameters())
+    assert plan.phase_peaks["setup"] > 0
+    sharded = plan.breakdown.get("Sharded Param") or plan.end_of_forward.get("Sharded Param")
+    assert sharded == pytest.approx(4 * n_params / 4, rel=0.05)
+    with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM .*needs training.mixed_precision_param='bfloat16'"):
+        plan_memory(load_config(_args(moe_dir, "unused", *_mesh(1, 2, 2))), 4, 64, rows=1, device="cpu")
