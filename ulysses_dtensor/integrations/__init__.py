@@ -1,7 +1,9 @@
 """Ulysses SP for models from other libraries, through their own extension points.
 
 * ``integrations.hf``: unmodified Hugging Face ``transformers`` causal LMs (the
-  ``hf`` extra);
+  ``hf`` extra); ``hf_weights`` loads their checkpoints shard by shard in any
+  layout transformers converts, ``hf_causal_lm`` gives them the trainer's call
+  interface (``model.implementation = "transformers"``);
 * ``integrations.torchtitan``: a plug-in for torchtitan 0.3.0's own models and
   trainer (the ``torchtitan`` extra; ``--module ulysses_dtensor.integrations.torchtitan``).
 
