@@ -6,8 +6,11 @@ Writes what ``save_pretrained`` writes (config.json, model.safetensors) plus a
 byte-level BPE ``tokenizer.json`` trained on the built-in corpus (the Python
 standard library's sources) and a ``tokenizer_config.json``, so that the
 trainer (``model.hf_path``) and ``transformers`` both load it. Nothing is
-downloaded. Families: llama (llama3 rope scaling), qwen2 (q/k/v bias, tied
-embeddings), qwen3 (q/k norm, head_dim != hidden/heads), mistral.
+downloaded. Families this package's Llama loads: llama (llama3 rope scaling),
+qwen2 (q/k/v bias, tied embeddings), qwen3 (q/k norm, head_dim != hidden/heads),
+mistral. Families the trainer runs with transformers' own model
+(``model.implementation``): qwen3_moe (4 experts, 2 per token), mixtral,
+granite (logit, embedding and residual multipliers), olmo2 (post-norms, q/k norm).
 
 Needs ``pip install 'ulysses-dtensor[hf]'``.
 """
@@ -20,7 +23,8 @@ import os
 from pathlib import Path
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # load into this package's Llama
+TRANSFORMERS_FAMILIES = ("qwen3_moe", "mixtral", "granite", "olmo2")  # trained as transformers models
 
 
 def hf_config(family: str, *, vocab_size: int = 512, dim: int = 64, layers: int = 2, heads: int = 8,
@@ -46,7 +50,20 @@ def hf_config(family: str, *, vocab_size: int = 512, dim: int = 64, layers: int 
     if family == "mistral":
         return tf.MistralConfig(**common, sliding_window=None,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    raise ValueError(f"family={family!r}; valid: {', '.join(FAMILIES)}")
+    experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.01, output_router_logits=False)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**common, head_dim=2 * dim // heads, num_experts=4, moe_intermediate_size=ffn_dim // 2,
+                                 norm_topk_prob=True, **experts,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if family == "mixtral":
+        return tf.MixtralConfig(**common, num_local_experts=4, sliding_window=None, **experts,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if family == "granite":
+        return tf.GraniteConfig(**common, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0,
+                                attention_multiplier=1.0 / (dim // heads), tie_word_embeddings=True)
+    if family == "olmo2":
+        return tf.Olmo2Config(**common, pad_token_id=1)
+    raise ValueError(f"family={family!r}; valid: {', '.join(FAMILIES + TRANSFORMERS_FAMILIES)}")
 
 
 def hf_model(config, seed: int = 0, perturb: float = 0.0):
@@ -105,7 +122,7 @@ def make_tiny_hf_model(out: str | os.PathLike, family: str = "llama", *, tokeniz
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--family", default="llama", choices=FAMILIES)
+    p.add_argument("--family", default="llama", choices=FAMILIES + TRANSFORMERS_FAMILIES)
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)

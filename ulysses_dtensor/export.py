@@ -118,6 +118,10 @@ def export_checkpoint(
 
     ckpt, out = Path(checkpoint), Path(out)
     info = _read_info(ckpt)
+    if info.get("implementation") == "transformers":  # a transformers model: its own layout
+        from .export_transformers import export_transformers_checkpoint
+
+        return export_transformers_checkpoint(ckpt, out, info, dtype=dtype, max_shard_size=max_shard_size)
     args = LlamaArgs.from_dict(info["args"])
     source = info.get("hf_config")
     dtype = dtype or (source or {}).get("dtype") or (source or {}).get("torch_dtype") or "float32"

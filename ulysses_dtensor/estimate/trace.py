@@ -93,6 +93,13 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
     if cfg.model.hf_path and cfg.model.n_layers:
         # The planner's shorter traces set n_layers; an HF config.json fixes the rest.
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
+    if getattr(args, "num_experts", 0) and cfg.training.mixed_precision_param != "bfloat16":
+        from ..trainer.config import ConfigError
+
+        raise ConfigError(
+            f"planning {args.architecture} (transformers' MoE experts) needs "
+            f"training.mixed_precision_param='bfloat16': the shape function of its grouped expert "
+            f"matmul accepts bf16 only (got {cfg.training.mixed_precision_param!r})")
     seq_len = cfg.training.seq_len
     s_local = seq_len // dims.sp
     t0 = time.perf_counter()

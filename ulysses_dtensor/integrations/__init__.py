@@ -2,7 +2,9 @@
 
 * ``integrations.hf``: unmodified Hugging Face ``transformers`` causal LMs (the
   ``hf`` extra), hybrids with gated delta-net layers included
-  (``integrations.hf_linear_attention``);
+  (``integrations.hf_linear_attention``); ``hf_weights`` loads their checkpoints shard by
+  shard in any layout transformers converts, ``hf_causal_lm`` gives them the trainer's
+  call interface (``model.implementation = "transformers"``);
 * ``integrations.torchtitan``: a plug-in for torchtitan 0.3.0's own models and
   trainer (the ``torchtitan`` extra; ``--module ulysses_dtensor.integrations.torchtitan``).
 

@@ -143,7 +143,11 @@ def parallelize_hf_model(
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
     every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
-    if ac_mode != "none" and getattr(model, "is_gradient_checkpointing", False):
+    # transformers 5 renamed is_gradient_checkpointing (deprecated, warns) to is_activation_checkpointing.
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if ac_mode != "none" and checkpointing:
         raise ValueError(
             f"{name} already has transformers' gradient checkpointing enabled; use either it "
             f"(ac_mode='none') or ac_mode={ac_mode!r}, not both"

@@ -58,12 +58,13 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
 
     Names and shapes are checked against the files first (one message naming
     what is missing, extra or of the wrong shape); values are converted to the
-    model's dtype. Rotary buffers are recomputed afterwards.
+    model's dtype. Layouts transformers converts on load (MoE experts stored one
+    by one) are converted the same way; buffers no checkpoint holds (rotary
+    ``inv_freq``, ...) are recomputed afterwards. See :mod:`.hf_weights`.
     """
-    from ..models.hf_checkpoint import read_hf_tensors_into
+    from .hf_weights import load_transformers_weights
 
-    read_hf_tensors_into(_unique_state_dict(model), path)
-    reset_rotary_buffers(model)
+    load_transformers_weights(model, path)
 
 
 def save_hf_weights(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> None:

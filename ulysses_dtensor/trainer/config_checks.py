@@ -53,6 +53,15 @@ def _has_retrieval(c: JobConfig) -> bool:
     return any(t != "loss" for t in c.eval.tasks)
 
 
+def _native_model(c: JobConfig) -> bool:
+    from .hf_model import uses_transformers
+
+    try:
+        return not uses_transformers(c)
+    except ConfigError:
+        return True  # an unreadable model.hf_path: validate_config names it
+
+
 EFFECT_RULES: list[EffectRule] = [
     EffectRule("training.seq_len", ("context.schedule",), lambda c: not c.context.schedule,
                "it is the one stage's length when context.schedule is empty"),
@@ -106,6 +115,14 @@ EFFECT_RULES: list[EffectRule] = [
     EffectRule("model.rope_theta", ("model.hf_path",), lambda c: not c.model.hf_path,
                "with model.hf_path the starting rope comes from its config.json; change it per "
                "stage with context.schedule[i].rope_theta / rope_scaling"),
+    EffectRule("model.implementation", ("model.hf_path",), lambda c: bool(c.model.hf_path),
+               "it chooses what trains the model of model.hf_path (model.flavor is always this "
+               "package's Llama)"),
+    *(EffectRule(f"memory.{k}", ("model.implementation", "model.hf_path"), _native_model,
+                 "it exists only in this package's own Llama, and the model of model.hf_path is "
+                 "trained by transformers' implementation (chosen, or picked by 'auto' for a "
+                 "checkpoint the Llama cannot load)")
+      for k in ("tiled_mlp", "mlp_tiles", "offload_activations", "offload_params")),
 ]
 
 
@@ -277,6 +294,11 @@ def validate_config(cfg: JobConfig, world_size: int):
                 "metrics.enable_tensorboard=true needs the 'tensorboard' package: "
                 "pip install 'ulysses-dtensor[tensorboard]'"
             ) from None
+    from .hf_model import check_transformers_model, uses_transformers
+
+    if uses_transformers(cfg):  # the model class itself, through the integration's checks
+        check_transformers_model(cfg, dims)
+        return dims
     args = model_args(cfg, vocab_size=cfg.model.vocab_size or 256)
     from .rope_stages import stage_ropes
 
@@ -345,9 +367,12 @@ def _check_micro_batch(cfg: JobConfig, schedule, dp: int) -> None:
 
 def model_args(cfg: JobConfig, vocab_size: int):
     """The LlamaArgs for this config (flavor + overrides, or model.hf_path's
-    config.json, whose vocabulary wins over ``vocab_size``), or a ConfigError."""
+    config.json, whose vocabulary wins over ``vocab_size``; with the transformers
+    implementation the model's ``CausalLMShape``), or a ConfigError."""
     if cfg.model.hf_path:
-        return hf_model_args(cfg)
+        from .hf_model import transformers_args, uses_transformers
+
+        return transformers_args(cfg) if uses_transformers(cfg) else hf_model_args(cfg)
     from ..models.llama import FLAVORS, llama_args
 
     m = cfg.model

@@ -53,6 +53,11 @@ class Model:
     hf_path: str = _f(
         "", "a local Hugging Face model directory (config.json + *.safetensors) to start from; "
         "its config sets the shapes and vocabulary (flavor and the overrides then have no effect)")
+    implementation: str = _f(
+        "auto", "what trains the model of hf_path: native (this package's Llama: Llama 3.x, Mistral, "
+        "Qwen2/2.5, Qwen3 checkpoints; every memory feature), transformers (transformers' own model "
+        "class: any family the Ulysses integration runs), auto (native when it can load the "
+        "checkpoint, else transformers)", ("auto", "native", "transformers"))
     flavor: str = _f("debug", "model size, a key of ulysses_dtensor.models.llama.FLAVORS")
     attn_backend: str = _f(
         "auto", "local attention after the all-to-all (auto: sdpa on CPU, flash_attn/varlen on CUDA bf16)", BACKENDS

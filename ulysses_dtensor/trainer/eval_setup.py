@@ -163,7 +163,8 @@ def model_for_eval(cfg: JobConfig, pmesh, device: torch.device, vocab_size: int,
     load_model_weights(checkpoint, model)
     with open(Path(checkpoint) / "train_state.json") as fh:
         state = json.load(fh)
-    model.set_rope(_trained_rope(cfg, model, state))
+    if hasattr(model, "set_rope"):  # transformers models keep config.json's rope
+        model.set_rope(_trained_rope(cfg, model, state))
     return model, state
 
 

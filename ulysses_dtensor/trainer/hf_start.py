@@ -69,9 +69,12 @@ def tokenizer_spec(cfg) -> str:
 
 def model_info(cfg, args) -> dict:
     """What an export needs to know about the trained model (``model.json``)."""
+    from .hf_model import resolve_implementation
+
     hf_path = cfg.model.hf_path or None
     tok = tokenizer_spec(cfg)
     return {
+        "implementation": resolve_implementation(cfg).name,
         "args": dataclasses.asdict(args),
         "hf_path": str(Path(hf_path).resolve()) if hf_path else None,
         "hf_config": hf_source_config(cfg) if hf_path else None,

@@ -114,7 +114,11 @@ def build_model(
     config's (the memory planner's shorter traces)."""
     from ..models.llama import Llama
     from ..parallelize import parallelize_llama
+    from .hf_model import build_transformers_model, uses_transformers
 
+    if uses_transformers(cfg):  # transformers' own model class (model.implementation)
+        return build_transformers_model(cfg, pmesh, device, init_weights=init_weights,
+                                        n_layers=args.n_layers if args is not None else None)
     args = args or model_args(cfg, vocab_size)
     with torch.device("meta"):
         model = Llama(args)
@@ -207,7 +211,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
     model = build_model(cfg, pmesh, vocab_size, device, init_weights=latest is None)
     optimizer = build_optimizer(cfg, model)
     info = model_info(cfg, model.args)
-    ropes = stage_ropes(cfg, model.args)  # each stage's rope (checked in validate_config)
+    # Each stage's rope (checked in validate_config); transformers models keep config.json's.
+    ropes = stage_ropes(cfg, model.args) if hasattr(model, "set_rope") else None
 
     start_step, data_state = 0, None
     if ckpt.enable:
@@ -222,7 +227,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
                     f"config's schedule says {schedule.seq_len(start_step)}"
                 )
             saved_rope = state.get("context", {}).get("rope")
-            if saved_rope is not None and saved_rope != ropes[schedule.stage_index(start_step)].to_dict():
+            if ropes is not None and saved_rope is not None and saved_rope != ropes[schedule.stage_index(start_step)].to_dict():
                 _print0(
                     f"warning: checkpoint step {start_step} trained with rope "
                     f"{RopeConfig.from_dict(saved_rope).describe()}, this config's schedule says "
@@ -249,8 +254,9 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"{f' (ring {dims.ring} x ulysses {dims.ulysses})' if dims.ring > 1 else ''}\n"
         f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
+        f"  implementation {_implementation_banner(cfg)}\n"
         f"  {data.banner(schedule, loader.source_tokens())}\n  {data.loading_banner()}\n"
-        f"{rope_banner(schedule, ropes)}\n"
+        f"{rope_banner(schedule, ropes) if ropes else '  rope: config.json of model.hf_path, every stage'}\n"
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
         f"  {_eval_banner(cfg, held_out)}; {_timing_banner(cfg, dims.sp, timer is not None)}"
         + "".join(f"\n  not in effect: {note}" for note in inactive_settings(cfg))
@@ -283,8 +289,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
     for step in range(start_step + 1, cfg.training.steps + 1):
         t0 = time.perf_counter()
         seq_len, batch_size = schedule.seq_len(step), schedule.batch_size(step)
-        rope = ropes[schedule.stage_index(step)]
-        if model.rope != rope:  # a stage boundary, or the first step (resumed too)
+        rope = ropes[schedule.stage_index(step)] if ropes else None
+        if rope is not None and model.rope != rope:  # a stage boundary, or the first step (resumed too)
             if step > start_step + 1:
                 _print0(f"step {step}: rope -> {rope.describe()}")
             model.set_rope(rope)
@@ -295,7 +301,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         n_valid = count_valid_tokens(local["labels"], pmesh.loss)
 
         lr = cfg.optimizer.lr * lr_schedule(step)
-        if rope.length_dependent:  # dynamic / longrope: L of the whole global batch
+        if rope is not None and rope.length_dependent:  # dynamic / longrope: L of the whole global batch
             model.rope_seq_len = global_rope_length(local["position_ids"], pmesh.loss)
         with timer.active() if timer is not None else contextlib.nullcontext():
             loss_sum, grad_norm = train_step(
@@ -308,7 +314,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
                 lr=lr,
                 params=params,
             )
-        model.rope_seq_len = None  # evaluation forwards take their own batch's length
+        if rope is not None:
+            model.rope_seq_len = None  # evaluation forwards take their own batch's length
 
         loss_value = global_loss(loss_sum, pmesh.loss).item()
         grad_norm = float(grad_norm)
@@ -325,7 +332,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
             step_tokens=batch_size * seq_len,
             step_time=step_time,
             # Read after the loss was fetched: on CUDA the exchange events are done.
-            extra={**rope_row(rope), **data.step_metrics(loader),
+            extra={**(rope_row(rope) if rope is not None else {}), **data.step_metrics(loader),
                    **(exchange_metrics(timer.read(), step_time) if timer is not None else {})},
         )
         if row is not None:
@@ -346,17 +353,24 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
                         "stage": schedule.stage_index(step),
                         "seq_len": seq_len,
                         "batch_size": batch_size,
-                        "rope": rope.to_dict(),
+                        "rope": None if rope is None else rope.to_dict(),
                     },
                     "lr_scheduler": {"step": step, "lr": lr},
                     "tokens_seen": loader.tokens_seen,
                 },
-                model_info={**info, **trained_rope_info(schedule, ropes, step)},
+                model_info={**info, **(trained_rope_info(schedule, ropes, step) if ropes else {})},
             )
             _print0(f"saved checkpoint {ckpt.path(step)}")
     loader.close()
     metrics.close()
     return rows
+
+
+def _implementation_banner(cfg: JobConfig) -> str:
+    from .hf_model import resolve_implementation
+
+    impl = resolve_implementation(cfg)
+    return f"{impl.name} ({impl.reason})"
 
 
 def _eval_banner(cfg: JobConfig, held_out) -> str:

@@ -1,0 +1,283 @@
+"""A parallelized transformers causal LM with the interface of this package's Llama.
+
+The trainer, its ``train_step``, the evaluator and the memory planner call a
+model as they call :class:`~ulysses_dtensor.models.llama.Llama`::
+
+    loss  = model(ids, position_ids=, document_ids=, labels=, num_valid_tokens=)
+    logit = model(ids, position_ids=, document_ids=)
+    h     = model.hidden_states(ids, position_ids=, document_ids=)   # final normed states
+    logit = model.output(h)                 # the head; model.output.weight: (vocab, dim)
+    model.flops_per_token(seq_len), model.args (sizes), model.num_params()
+
+:func:`adapt_causal_lm` gives a transformers model (usually after
+:func:`~.hf.parallelize_hf_model`) exactly that, in place: its class becomes a
+subclass with these methods (FSDP does the same to install its own), so the
+parameter names stay the checkpoint's. transformers' own forward stays
+``transformers_class(model).forward``; calling the model means the trainer's.
+
+* The decoder is the model's own (``model.<base_model_prefix>``), called with
+  this rank's slice, GLOBAL position ids and the whole sequence's document ids
+  (:data:`~.hf_attention.DOCUMENT_IDS_KWARG`).
+* The head is ``lm_head`` with the logit transforms its class applies, proven
+  on the class (:mod:`.hf_output_head`). With labels, ``lm_head``'s own forward
+  returns this rank's share of the global token mean (``sp_cross_entropy``:
+  local sum / ``num_valid_tokens``), in one piece or over sequence chunks.
+* A call is a module call of the root and of ``lm_head``, as our Llama's: FSDP's
+  hooks gather what each uses (and the memory planner's tracker sees them); the
+  integration's input checks run first. ``hidden_states`` is registered as a
+  forward method of the root, as our Llama's is.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .hf_attention import DOCUMENT_IDS_KWARG
+from .hf_output_head import OutputHead, SPOutputHead, _is_fake, check_output_head
+
+__all__ = ["CausalLMShape", "SPCausalLM", "adapt_causal_lm", "causal_lm_shape", "transformers_class"]
+
+
+# ---------------------------------------------------------------------------
+# Sizes (what model.args is for our Llama)
+# ---------------------------------------------------------------------------
+
+# config keys of the routed-expert count, in the order families spell it
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# a parameter of the routed experts (not of a shared expert): "...mlp.experts.gate_up_proj"
+_EXPERT_PARAM = re.compile(r"(^|\.)experts\.")
+
+
+@dataclass(frozen=True)
+class CausalLMShape:
+    """The sizes of a transformers causal LM that the trainer and the planner read
+    (the role ``LlamaArgs`` plays for our Llama). Built from its config by
+    :func:`causal_lm_shape`."""
+
+    architecture: str
+    model_type: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int  # as the exchange places them (MLA: one k and v per head)
+    head_dim: int  # q/k width
+    v_head_dim: int
+    vocab_size: int
+    ffn_dim: int  # the dense MLP's width (MoE: one expert's)
+    tie_embeddings: bool
+    num_experts: int = 0  # routed experts per MoE layer (0: dense)
+    experts_per_token: int = 0
+    # per layer: None (full causal attention), a window, or -1 (no token mixing by
+    # attention: linear attention / state-space layers, counted without attention FLOPs)
+    attention_windows: tuple = field(default_factory=tuple)
+
+
+def causal_lm_shape(config, architecture: str | None = None) -> CausalLMShape:
+    """:class:`CausalLMShape` of a transformers config (the text config of a multimodal one)."""
+    text = config.get_text_config()
+    heads = int(text.num_attention_heads)
+    dim = int(text.hidden_size)
+    head_dim = int(getattr(text, "head_dim", None) or dim // heads)
+    qk_dim = int(getattr(text, "qk_head_dim", None) or head_dim)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    if getattr(text, "kv_lora_rank", None):
+        kv_heads = heads  # MLA expands its latent into one k and v per head
+    n_layers = int(text.num_hidden_layers)
+    num_experts = next((int(getattr(text, k)) for k in _EXPERT_COUNT_KEYS if getattr(text, k, None)), 0)
+    ffn = getattr(text, "moe_intermediate_size", None) if num_experts else None
+    ffn = ffn or getattr(text, "intermediate_size", None) or 4 * dim
+    types_ = list(getattr(text, "layer_types", None) or ["full_attention"] * n_layers)
+    window = getattr(text, "sliding_window", None)
+    windows = []
+    for kind in types_[:n_layers]:
+        if kind == "full_attention":
+            windows.append(None)
+        elif kind in ("sliding_attention", "chunked_attention"):
+            windows.append(int(window) if window else None)
+        else:
+            windows.append(-1)
+    return CausalLMShape(
+        architecture=architecture or (list(getattr(config, "architectures", None) or []) or ["?"])[0],
+        model_type=str(getattr(config, "model_type", "")),
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=qk_dim,
+        v_head_dim=int(getattr(text, "v_head_dim", None) or head_dim),
+        vocab_size=int(text.vocab_size),
+        ffn_dim=int(ffn),
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))),
+        num_experts=num_experts,
+        experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0) if num_experts else 0,
+        attention_windows=tuple(windows),
+    )
+
+
+_LABELS, _COUNT = "sp_labels", "sp_num_valid_tokens"  # forward keywords, unknown to transformers' pre-hooks
+
+
+class SPCausalLM:
+    """Mixed into an adapted model's class (see :func:`adapt_causal_lm`)."""
+
+    def __call__(self, input_ids: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
+                 *, labels: Tensor | None = None, num_valid_tokens: Tensor | int | None = None) -> Tensor:
+        """Logits ``(B, s_local, vocab)`` of this rank's tokens, or with ``labels``
+        (shifted, this rank's slice) its share of the global token-mean loss, as
+        :meth:`~ulysses_dtensor.models.llama.Llama.forward`. A module call (hooks:
+        the integration's input checks, FSDP's root) of :meth:`forward`."""
+        if labels is not None and num_valid_tokens is None:
+            raise ValueError(
+                "labels given without num_valid_tokens: pass the valid-label count of the whole global "
+                "batch (count_valid_tokens(labels, pmesh.loss)) so every rank divides by the same number"
+            )
+        kwargs = {} if document_ids is None else {DOCUMENT_IDS_KWARG: document_ids}
+        if document_ids is None and position_ids is not None and _is_fake(position_ids):
+            # The memory planner's fake rows: the integration's check that positions do not
+            # restart would read values; its default (this rank's global positions) is theirs.
+            position_ids = None
+        return nn.Module.__call__(self, input_ids=input_ids, position_ids=position_ids, **kwargs,
+                                  **{_LABELS: labels, _COUNT: num_valid_tokens})
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, **kwargs) -> Tensor:
+        """The trainer's forward (transformers' own stays ``transformers_class(model).forward``);
+        other keywords (from the integration's pre-hook) go to the decoder."""
+        labels, count = kwargs.pop(_LABELS, None), kwargs.pop(_COUNT, None)
+        h = self._sp_hidden(input_ids, position_ids, kwargs.pop(DOCUMENT_IDS_KWARG, None), **kwargs)
+        if labels is None:
+            return self.output(h)
+        return self.output.loss(h, labels, count)
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor | None = None,
+                      document_ids: Tensor | None = None) -> Tensor:
+        """The decoder's final normed hidden states ``(B, s_local, dim)``."""
+        return self._sp_hidden(input_ids, position_ids, document_ids)
+
+    def _sp_hidden(self, input_ids, position_ids, document_ids, **kwargs) -> Tensor:
+        b, s = input_ids.shape
+        sp, sp_rank = self._sp_degree
+        if position_ids is None:  # this rank's GLOBAL positions
+            position_ids = (torch.arange(s, device=input_ids.device) + sp_rank * s).expand(b, s)
+        if position_ids.shape[-2:] != input_ids.shape:
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} must match input_ids "
+                             f"{tuple(input_ids.shape)} (both this rank's slice)")
+        if document_ids is not None:
+            if tuple(document_ids.shape) != (b, s * sp):
+                raise ValueError(f"document_ids {tuple(document_ids.shape)} must cover the whole padded "
+                                 f"sequence, (batch, local_seq * sp) = ({b}, {s * sp})")
+            kwargs[DOCUMENT_IDS_KWARG] = document_ids
+        decoder = getattr(self, self.base_model_prefix)
+        out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count (full, unsharded; tied weights once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and not self.args.tie_embeddings:
+            n -= self.get_input_embeddings().weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int, causal: bool = True) -> int:
+        """Model FLOPs per trained token (forward + backward), for MFU.
+
+        ``6 x`` the parameters a token uses (the embedding lookup excluded; of the
+        routed experts only ``experts_per_token / num_experts``), plus attention
+        scores and values, ``6 * heads * (qk_dim + v_dim)`` per attended key and
+        layer: ``seq/2`` keys on average when causal, fewer in a sliding window,
+        none in layers without softmax attention.
+        """
+        a = self.args
+        per_key = 6 * a.n_heads * (a.head_dim + a.v_head_dim)
+        keys = 0.0
+        for window in a.attention_windows:
+            if window == -1:
+                continue
+            if not causal:
+                keys += min(window or seq_len, seq_len)
+            elif window is None or window >= seq_len:
+                keys += seq_len / 2
+            else:  # position i attends min(i + 1, window) keys
+                keys += window - window * (window - 1) / (2 * seq_len)
+        return int(6 * self._active_params + per_key * keys)
+
+
+def _active_params(model: nn.Module, shape: CausalLMShape) -> int:
+    """Non-embedding parameters one token uses: routed experts scaled by top-k / experts."""
+    embed = model.get_input_embeddings().weight
+    total = 0.0
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p is embed and not shape.tie_embeddings:
+            continue
+        n = p.numel()
+        if shape.num_experts and shape.experts_per_token and _EXPERT_PARAM.search(name.replace("_checkpoint_wrapped_module.", "")):
+            n = n * shape.experts_per_token / shape.num_experts
+        total += n
+    return int(total)
+
+
+_ADAPTED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _subclass(cls: type, mixin: type) -> type:
+    """``cls`` with ``mixin`` first (once per class; an adapted class stays)."""
+    if issubclass(cls, mixin):
+        return cls
+    key = (cls, mixin)
+    if key not in _ADAPTED_CLASSES:
+        _ADAPTED_CLASSES[key] = type(f"SP{cls.__name__}", (mixin, cls), {})
+    return _ADAPTED_CLASSES[key]
+
+
+def transformers_class(model: nn.Module) -> type:
+    """The model's own class (a transformers class, or a user's subclass of one), under
+    the classes FSDP and this adapter put on top of it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wrappers = (FSDPModule, SPCausalLM, SPOutputHead)  # mixins, not modules themselves
+    for cls in type(model).__mro__:
+        if issubclass(cls, nn.Module) and not any(w in cls.__bases__ for w in wrappers):
+            return cls
+    return type(model)
+
+
+def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1) -> nn.Module:
+    """Give ``model`` (a transformers causal LM, parallelized or not) the call
+    interface of our Llama, in place; returns it.
+
+    Args:
+        pmesh: the :class:`~ulysses_dtensor.mesh.ParallelMesh` it was parallelized
+            on (default position ids are then this rank's global ones); None for
+            a model in one process.
+        loss_chunks: with labels, compute logits + loss over this many sequence
+            chunks (1: at once; None: from the shapes), like ``memory.tiled_loss``.
+
+    Raises ValueError (naming the class) for a head :func:`check_output_head` cannot prove.
+    """
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if loss_chunks is not None and (isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 1):
+        raise ValueError(f"loss_chunks={loss_chunks!r} must be a positive integer, or None for automatic")
+    if getattr(model.config.get_text_config(), "output_router_logits", False):
+        raise ValueError(
+            f"{transformers_class(model).__name__}: config.output_router_logits=True adds the router load-balancing "
+            "loss, which this interface does not compute; set it to false in config.json"
+        )
+    spec = check_output_head(model, transformers_class(model))
+    model.__class__ = _subclass(type(model), SPCausalLM)
+    head = model.get_output_embeddings()
+    head.__class__ = _subclass(type(head), SPOutputHead)
+    head.sp_spec, head.sp_loss_chunks = spec, loss_chunks
+    register_fsdp_forward_method(model, "hidden_states")  # the evaluator's entry point
+    model.output = OutputHead(head)
+    model.args = causal_lm_shape(model.config, transformers_class(model).__name__)
+    model._sp_degree = (pmesh.dims.sp, pmesh.sp_rank) if pmesh is not None else (1, 0)
+    model._active_params = _active_params(model, model.args)
+    return model

@@ -1,0 +1,210 @@
+"""``model.implementation``: which code trains the model of ``model.hf_path``.
+
+* ``native``: this package's Llama (``models/llama.py``), for the Llama 3.x,
+  Mistral, Qwen2/2.5 and Qwen3 checkpoints it can load; every memory feature
+  (``tiled_mlp``, ``offload_*``) and ring attention work with it.
+* ``transformers``: transformers' own model class, built with
+  ``AutoModelForCausalLM.from_config`` on ``meta``, parallelized with
+  :func:`~ulysses_dtensor.integrations.hf.parallelize_hf_model` (Ulysses,
+  activation checkpointing, compile, FSDP2 / HSDP), materialised, its weights
+  read shard by shard (:func:`~ulysses_dtensor.integrations.hf_weights.load_transformers_weights`),
+  and given the Llama's call interface (:func:`~ulysses_dtensor.integrations.hf_causal_lm.adapt_causal_lm`).
+  Any family the integration runs.
+* ``auto`` (default): ``native`` when our Llama can load the checkpoint,
+  ``transformers`` otherwise; the run's banner says which and why.
+
+Everything that can be checked without a process group is checked by
+:func:`check_transformers_model` (``validate_config`` calls it): the model is
+built on ``meta`` and put through the integration's own structural checks and
+the head check, so a model the integration refuses stops the run before
+anything starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config_schema import ConfigError
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "Implementation",
+    "build_transformers_model",
+    "check_transformers_model",
+    "resolve_implementation",
+    "transformers_args",
+    "uses_transformers",
+]
+
+IMPLEMENTATIONS = ("auto", "native", "transformers")
+_HF_EXTRA = "model.implementation='transformers' needs transformers: pip install 'ulysses-dtensor[hf]'"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str  # "native" or "transformers"
+    reason: str  # for the banner
+
+
+def resolve_implementation(cfg) -> Implementation:
+    """The implementation that trains ``cfg``'s model, and why (ConfigError for an
+    unreadable ``hf_path``)."""
+    m = cfg.model
+    if not m.hf_path:
+        return Implementation("native", f"model.flavor={m.flavor!r}")
+    if m.implementation != "auto":
+        return Implementation(m.implementation, f"model.implementation={m.implementation!r}")
+    from ..models.hf_checkpoint import HFCheckpointError, args_from_hf_config
+    from .hf_start import hf_source_config
+
+    source = hf_source_config(cfg)
+    arch = (source.get("architectures") or ["?"])[0]
+    try:
+        args_from_hf_config(source, attn_backend=m.attn_backend)
+    except HFCheckpointError as e:
+        why = str(e).removeprefix("config.json: ")
+        return Implementation("transformers", f"auto: this package's Llama cannot load {arch} ({why})")
+    return Implementation("native", f"auto: {arch} loads into this package's Llama")
+
+
+def uses_transformers(cfg) -> bool:
+    return bool(cfg.model.hf_path) and resolve_implementation(cfg).name == "transformers"
+
+
+def _where(cfg) -> str:
+    """The model and why transformers builds it (for auto: why our Llama cannot)."""
+    return f"model.hf_path={cfg.model.hf_path!r} ({resolve_implementation(cfg).reason})"
+
+
+def _hf_config(cfg):
+    """transformers' config of ``hf_path`` (ConfigError naming the path)."""
+    from .hf_start import hf_source_config
+
+    hf_source_config(cfg)  # a readable config.json, or its own ConfigError
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError(_HF_EXTRA) from None
+    try:
+        return AutoConfig.from_pretrained(cfg.model.hf_path)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"{_where(cfg)}: transformers cannot read its config.json: {e}") from None
+
+
+def transformers_args(cfg):
+    """The :class:`~ulysses_dtensor.integrations.hf_causal_lm.CausalLMShape` of ``hf_path``."""
+    from ..integrations.hf_causal_lm import causal_lm_shape
+
+    return causal_lm_shape(_hf_config(cfg))
+
+
+def _meta_model(config, n_layers: int | None = None):
+    from transformers import AutoModelForCausalLM
+
+    if n_layers:
+        config = _with_layers(config, n_layers)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _with_layers(config, n_layers: int):
+    """A copy of ``config`` with the first ``n_layers`` decoder layers (the planner's
+    shorter traces)."""
+    config = config.__class__.from_dict(config.to_dict())
+    text = config.get_text_config()
+    text.num_hidden_layers = n_layers
+    if getattr(text, "layer_types", None):
+        text.layer_types = list(text.layer_types)[:n_layers]
+    return config
+
+
+def check_transformers_model(cfg, dims) -> None:
+    """Everything about the transformers model checkable before a process group: its
+    config reads, it is a causal LM, it has weights, the integration accepts its
+    structure at this sp degree, and its head is one the trainer computes. One
+    ConfigError naming the model class and the value."""
+    from ..models.hf_checkpoint import HFCheckpointError, safetensors_files
+
+    if dims.ring > 1:
+        raise ConfigError(
+            f"parallelism.ring={dims.ring} with {_where(cfg)}: transformers models run Ulysses only "
+            f"(ring attention runs in this package's Llama); set parallelism.ring=1"
+        )
+    for i, st in enumerate(cfg.stages()):
+        if st.sets_rope:
+            raise ConfigError(
+                f"context.schedule[{i}] sets a rope (rope_theta / rope_scaling), which the transformers "
+                f"implementation does not change yet ({_where(cfg)}); use model.implementation='native' "
+                f"for Llama / Qwen2 / Qwen3 / Mistral checkpoints, or leave the rope of config.json")
+    config = _hf_config(cfg)
+    if getattr(config, "quantization_config", None):
+        raise ConfigError(f"{_where(cfg)}: quantized weights (quantization_config) are not supported; "
+                          f"dequantize the checkpoint first")
+    text = config.get_text_config()
+    if float(getattr(text, "attention_dropout", 0.0) or 0.0):
+        raise ConfigError(f"{_where(cfg)}: attention_dropout={text.attention_dropout} is not implemented by "
+                          f"Ulysses attention; set it to 0.0 in config.json")
+    try:
+        safetensors_files(cfg.model.hf_path)
+    except HFCheckpointError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        model = _meta_model(config)
+    except ValueError as e:  # not a causal LM architecture transformers knows
+        raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {e}") from None
+    from ..integrations.hf import _check_model
+    from ..integrations.hf_attention import check_backend_for_patterns, model_patterns
+    from ..integrations.hf_output_head import check_output_head
+
+    name = type(model).__name__
+    try:
+        _, attentions, _ = _check_model(model, dims.ulysses)
+        # A backend named in the config that cannot express a layer's pattern
+        # (e.g. sinks on flash_attn) fails here, not at the first step.
+        check_backend_for_patterns(name, cfg.model.attn_backend, model_patterns(text, attentions))
+        check_output_head(model)
+        if getattr(text, "output_router_logits", False):
+            raise ValueError(
+                f"{name}: output_router_logits=true adds the router load-balancing loss, which the trainer "
+                "does not compute yet; set it to false in config.json"
+            )
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{_where(cfg)} with parallelism.sp={dims.sp}: {e}") from None
+
+
+def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: bool = True,
+                             n_layers: int | None = None):
+    """The transformers model of ``hf_path``, parallelized like our Llama (the
+    config's activation checkpointing, compile, mixed precision, attention backend),
+    materialised on ``device`` with the weights of ``hf_path`` (``init_weights``;
+    else left for a checkpoint to fill), with the trainer's call interface."""
+    from ..integrations.hf import parallelize_hf_model
+    from ..integrations.hf_causal_lm import adapt_causal_lm
+    from ..integrations.hf_weights import init_non_persistent_buffers, load_transformers_weights, weight_conversions
+
+    model = _meta_model(_hf_config(cfg), n_layers)
+    conversions = weight_conversions(model)  # of the plain class: FSDP renames it
+    ac = cfg.activation_checkpoint
+    tr = cfg.training
+    parallelize_hf_model(
+        model,
+        pmesh,
+        ac_mode=ac.mode,
+        selective_ac=ac.selective if ac.selective == "op" else int(ac.selective),
+        compile=tr.compile,
+        compile_backend=tr.compile_backend,
+        param_dtype=_DTYPES[tr.mixed_precision_param],
+        reduce_dtype=_DTYPES[tr.mixed_precision_reduce],
+        attn_backend=cfg.model.attn_backend,
+        pack_qkv=tr.pack_qkv,
+    )
+    model.to_empty(device=device)
+    if init_weights:
+        load_transformers_weights(model, cfg.model.hf_path, conversions=conversions)
+    else:
+        init_non_persistent_buffers(model)
+    mem = cfg.memory
+    return adapt_causal_lm(model, pmesh, loss_chunks=(mem.loss_chunks or None) if mem.tiled_loss else 1)
