@@ -260,16 +260,24 @@ def _load_memory_task(rank, world, path: str) -> dict:
     with torch.device("meta"):
         model = Llama(args)
     parallelize_llama(model, pmesh)
-    model.to_empty(device="cpu")  # untouched pages: not resident until loaded into
+    # Pooled ranks ran other tasks before, and glibc then serves even large
+    # blocks from the resident heap (its mmap threshold rises after frees):
+    # pages the shard reused would not show in the peak, which would read too
+    # low. So: hand the freed heap back to the OS, and fix the threshold so each
+    # parameter shard gets fresh pages that become resident only when loaded into.
     gc.collect()
-    # Pooled ranks ran other tasks before: hand their freed heap back to the OS so
-    # the load's allocations fault in fresh pages (else reused resident pages
-    # would not show in the peak, and the measurement would read too low).
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
-    before = _rss_kib("VmRSS")
-    load_hf_weights(model, path)
-    peak = _rss_kib("VmHWM") - before
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc_trim(0)
+    M_MMAP_THRESHOLD = -3
+    libc.mallopt(M_MMAP_THRESHOLD, 128 << 10)
+    try:
+        model.to_empty(device="cpu")  # untouched pages: not resident until loaded into
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+        before = _rss_kib("VmRSS")
+        load_hf_weights(model, path)
+        peak = _rss_kib("VmHWM") - before
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # where the dynamic threshold tops out: later tasks as before
     names = hf_names(args)
     ok = all(bool((p.to_local() == i).all()) for i, (n, p) in enumerate(
         (n, dict(model.named_parameters())[n]) for n in names))
