@@ -33,11 +33,11 @@ if importlib.util.find_spec("transformers") is None:
     pytest.skip("needs the hf extra (transformers)", allow_module_level=True)
 
 from distributed import run_ranks  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from test_hf_integration import build_pmesh, registry_restored  # noqa: E402
 
 from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
 from ulysses_dtensor.loss import IGNORE_INDEX, count_valid_tokens, global_loss, sp_cross_entropy  # noqa: E402
-from ulysses_dtensor.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMesh  # noqa: E402
+from ulysses_dtensor.mesh import ParallelDims  # noqa: E402
 
 VOCAB, SEQ, ROWS = 64, 149, 2
 # Document starts per row: mid-chunk resets (37, 100, 130) and one at a chunk start (64).
@@ -114,27 +114,6 @@ def reference(model, batch, split: bool = True) -> torch.Tensor:
             total = total + F.cross_entropy(logits[:-1], target, ignore_index=IGNORE_INDEX, reduction="sum")
             count += int((target != IGNORE_INDEX).sum())
     return total / count
-
-
-def build_pmesh(world: int, dims: tuple) -> tuple[ParallelMesh, int]:
-    size = dims[0] * dims[1] * dims[2]
-    mesh = init_device_mesh("cpu", (world // size, *dims), mesh_dim_names=("replica", *MESH_DIM_NAMES))
-    return ParallelMesh(ParallelDims(*dims, world_size=size), mesh[MESH_DIM_NAMES]), mesh["replica"].get_local_rank()
-
-
-class registry_restored:
-    """Put transformers' class-wide attention registry back as it was (pooled ranks live on)."""
-
-    def __enter__(self):
-        from transformers import AttentionInterface
-
-        self.saved = dict(AttentionInterface._global_mapping)
-
-    def __exit__(self, *exc):
-        from transformers import AttentionInterface
-
-        AttentionInterface._global_mapping.clear()
-        AttentionInterface._global_mapping.update(self.saved)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
