@@ -120,17 +120,13 @@ def varlen_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tenso
             # Same logits as a custom scale under the kernel's default 1/sqrt(d).
             q = q * (scale * math.sqrt(d))
 
-    out = varlen_attn(
-        q.reshape(b * s, hq, d),
-        k.reshape(b * s, k.shape[2], d),
-        v.reshape(b * s, v.shape[2], d),
-        cu,
-        cu,
-        max_len,
-        max_len,
-        **kwargs,
-    )
+    out = varlen_attn(*_tokens_major(q, k, v), cu, cu, max_len, max_len, **kwargs)
     return out.reshape(b, s, hq, d)[..., :dv]
+
+
+def _tokens_major(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(B, S, H, D) -> (B*S, H, D): the varlen kernels' layout, documents delimited by cu_seqlens."""
+    return tuple(t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
 
 
 def flash_attn_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tensor:
@@ -153,9 +149,7 @@ def flash_attn_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> T
     b, s, hq, d = q.shape
     cu, max_len = _packed_lengths(seg, document_ids, b, s, q.device)
     out = fa.flash_attn_varlen_func(
-        q.reshape(b * s, hq, d),
-        k.reshape(b * s, k.shape[2], d),
-        v.reshape(b * s, v.shape[2], d),
+        *_tokens_major(q, k, v),
         cu,
         cu,
         max_len,
