@@ -42,7 +42,15 @@ from typing import Callable
 import numpy as np
 
 from .errors import DataError
-from .readers import DATA_SUFFIXES, data_files, data_suffix, iter_unit_records, plan_units, record_text
+from .readers import (
+    DATA_SUFFIXES,
+    data_files,
+    data_suffix,
+    iter_unit_records,
+    plan_units,
+    record_text,
+    with_line_numbers,
+)
 from .store import (
     INDEX_FILE,
     MANIFEST,
@@ -119,7 +127,11 @@ def _write_shard(task) -> dict:
 
     def flush(batch, tok_fh, tgt_fh):
         nonlocal with_targets
-        for ids, targets in _renderer.render_batch(batch):
+        try:
+            rendered = _renderer.render_batch(batch)
+        except DataError as e:
+            raise DataError(with_line_numbers(str(e))) from None
+        for ids, targets in rendered:
             if with_targets is None:
                 with_targets = targets is not None
             if (targets is not None) != with_targets:
