@@ -53,7 +53,8 @@ def evaluate(argv: list[str]) -> list[dict]:
     """Run the evaluation; return its rows (every rank)."""
     import torch.distributed as dist
 
-    from .data import build_source, build_tokenizer
+    from .data import build_tokenizer
+    from .data.sft import open_source
     from .evaluation.runner import Evaluator, spec_from
     from .runtime import finish_together
     from .trainer.config import load_config, validate_config
@@ -80,8 +81,8 @@ def evaluate(argv: list[str]) -> list[dict]:
     tokenizer = build_tokenizer(tokenizer_spec(cfg))
     check_eval_setup(cfg, tokenizer, lengths=lengths)
     vocab_size = resolve_vocab_size(cfg, tokenizer.vocab_size)
-    train_source, held_out = split_for_eval(cfg, build_source(cfg.data.path, cfg.data.text_key,
-                                                               cfg.data.max_corpus_mb))
+    train_source, held_out = split_for_eval(cfg, open_source(cfg.data.path, cfg.data.format, tokenizer_spec(cfg),
+                                                             cfg.data.text_key, cfg.data.max_corpus_mb))
     if "checkpoint" in own or not cfg.model.hf_path:
         checkpoint = find_checkpoint(own.get("checkpoint", cfg.checkpoint_folder))
     else:

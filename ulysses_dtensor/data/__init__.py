@@ -12,6 +12,9 @@ module              owns
 ``store``           the prepared token store: format, memory-mapped reader
 ``prepare``         raw files -> store (worker processes, resumable, atomic);
                     ``python -m ulysses_dtensor.prepare_data``
+``chat``            chat templates beside a tokenizer (offline), assistant spans
+``sft``             ``data.format``: chat / prompt_completion renderers with
+                    target flags, raw records rendered at load, format checks
 ``order``           each epoch's document order (seeded two-level shuffle)
 ``stream``          one source's endless token stream, random access by offset
 ``mixture``         weighted sources: which source each global row comes from

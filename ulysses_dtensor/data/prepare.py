@@ -22,9 +22,10 @@ uninterrupted run.
 
 Rendering is one seam: a renderer maps a batch of ``(where, record)`` to
 ``(token ids, target flags or None)`` per document. :class:`TextRenderer`
-tokenizes ``record[text_key]`` and trains on every token; another renderer
-(chat, prompt/completion) can return target flags, which the store keeps as
-``.targets`` shards and the loader turns into ignored labels.
+tokenizes ``record[text_key]`` and trains on every token; the renderers of
+:mod:`.sft` (chat, prompt/completion) return target flags, which the store
+keeps as ``.targets`` shards and the loader turns into ignored labels. The
+manifest's ``renderer`` names the one used.
 """
 
 from __future__ import annotations
@@ -41,7 +42,15 @@ from typing import Callable
 import numpy as np
 
 from .errors import DataError
-from .readers import DATA_SUFFIXES, data_files, data_suffix, iter_unit_records, plan_units, record_text
+from .readers import (
+    DATA_SUFFIXES,
+    data_files,
+    data_suffix,
+    iter_unit_records,
+    plan_units,
+    record_text,
+    with_line_numbers,
+)
 from .store import (
     INDEX_FILE,
     MANIFEST,
@@ -118,7 +127,11 @@ def _write_shard(task) -> dict:
 
     def flush(batch, tok_fh, tgt_fh):
         nonlocal with_targets
-        for ids, targets in _renderer.render_batch(batch):
+        try:
+            rendered = _renderer.render_batch(batch)
+        except DataError as e:
+            raise DataError(with_line_numbers(str(e))) from None
+        for ids, targets in rendered:
             if with_targets is None:
                 with_targets = targets is not None
             if (targets is not None) != with_targets:
@@ -226,7 +239,7 @@ def prepare_store(
             if same:
                 log(f"{output} is already prepared from these inputs: nothing to do")
                 return m
-            raise DataError(f"--output {str(output)!r} is a store prepared from other inputs or settings (tokenizer, text key, shard size); "
+            raise DataError(f"--output {str(output)!r} is a store prepared from other inputs or settings (tokenizer, format, text key, shard size); "
                             f"remove it or choose another --output")
         raise DataError(f"--output {str(output)!r} exists and is not a token store; choose another path")
 

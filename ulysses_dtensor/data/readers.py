@@ -25,6 +25,7 @@ import gzip
 import io
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -45,6 +46,7 @@ __all__ = [
     "table_texts",
     "plan_units",
     "iter_unit_records",
+    "with_line_numbers",
 ]
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".arrow")
@@ -351,3 +353,24 @@ def iter_unit_records(unit: dict, columns: list[str]) -> Iterator[tuple[str, obj
     else:  # txt groups and whole files
         for p in paths:
             yield from iter_file_records(p, columns)
+
+
+_AT_BYTE = re.compile(r"^(?P<path>.+?) line at byte (?P<offset>\d+)")
+
+
+def with_line_numbers(message: str) -> str:
+    """``message`` with a leading ``PATH line at byte N`` (how a work unit of a plain
+    .jsonl names its lines) turned into ``PATH line L``: the newlines before byte N
+    are counted, so only an error pays for it."""
+    m = _AT_BYTE.match(message)
+    if not m or not Path(m["path"]).is_file():
+        return message
+    offset, newlines = int(m["offset"]), 0
+    with open(m["path"], "rb") as fh:
+        while offset > 0:
+            block = fh.read(min(_BLOCK, offset))
+            if not block:
+                break
+            newlines += block.count(b"\n")
+            offset -= len(block)
+    return f"{m['path']} line {newlines + 1}" + message[m.end():]

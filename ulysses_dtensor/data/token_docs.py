@@ -89,6 +89,9 @@ class TokenizedSource(TokenDocs):
             self._cached = (i, self.tokenizer.encode(self.source[i]))
         return self._cached[1]
 
+    def _count(self, i: int) -> int:
+        return len(self.tokenizer.encode(self.source[i]))
+
     def build_index(self, rank: int = 0, world: int = 1, gather=None) -> None:
         """Count every document's tokens: this rank documents ``rank, rank + world, ...``.
 
@@ -97,9 +100,8 @@ class TokenizedSource(TokenDocs):
         ``world`` must be 1. Cost: one tokenization of the corpus, split over
         the ranks, and 8 bytes per document.
         """
-        n = len(self.source)
-        mine = np.array([len(self.tokenizer.encode(self.source[i])) for i in range(rank, n, world)],
-                        dtype=np.int64)
+        n = len(self)
+        mine = np.array([self._count(i) for i in range(rank, n, world)], dtype=np.int64)
         shares = gather(mine) if gather is not None else [mine]
         if len(shares) != world:
             raise ValueError(f"build_index: {len(shares)} shares for a world of {world}")

@@ -98,6 +98,13 @@ class HFTokenizer:
         """``encode`` of each text, in one call into the library (less Python per text)."""
         return [self._wrap(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``text``'s ids as written (special tokens in it parsed, none added) and each
+        token's first character (chat rendering maps character spans to tokens)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return (np.asarray(enc.ids, dtype=np.int64),
+                np.asarray([s for s, _ in enc.offsets], dtype=np.int64).reshape(-1))
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
 

@@ -136,12 +136,18 @@ class Evaluator:
                     slot += 1
         return items
 
-    def _loss_rows(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def _loss_rows(self, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The first ``loss_rows`` rows of ``length`` tokens of the held-out documents,
-        in their listed order (the same rows at every evaluation)."""
+        in their listed order (the same rows at every evaluation), and their labels
+        when the documents have target flags (SFT data: the loss is over the same
+        target tokens as training's), else None."""
         stream = TokenStream(self.held_out, self.tokenizer, seed=self.spec.seed, shuffle=False)
-        rows = [stream.take(length) for _ in range(self.spec.loss_rows)]
-        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+        if stream.has_targets:
+            rows = [stream.read(r * length, length) for r in range(self.spec.loss_rows)]
+            labels = np.stack([np.where(t != 0, ids, IGNORE_INDEX) for ids, _, t in rows])
+        else:
+            rows, labels = [stream.take(length) for _ in range(self.spec.loss_rows)], None
+        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]), labels
 
     def run(self, step: int, lengths: list[int]) -> EvalResult:
         """Evaluate at every length of ``lengths``; every rank returns the same result."""
@@ -170,8 +176,9 @@ class Evaluator:
                         item = padded[i]
                         counted = i < len(items)  # a padding repeat runs, but is not counted
                         if item.kind == "loss":
-                            ids, pos = (torch.from_numpy(a[item.index:item.index + 1]) for a in loss_ids)
-                            self._loss_pass(ids, pos, buckets[L] if counted else None)
+                            ids, pos, lab = (None if a is None else torch.from_numpy(a[item.index:item.index + 1])
+                                             for a in loss_ids)
+                            self._loss_pass(ids, pos, buckets[L] if counted else None, lab)
                         else:
                             sample = self.generator.sample(item.kind, L, item.depth, item.sample)
                             stats = self._answer_pass(sample)
@@ -192,9 +199,12 @@ class Evaluator:
         return EvalResult(step, rows, seconds, passes)
 
     # ------------------------------------------------------------ passes
-    def _hidden(self, ids: Tensor, pos: Tensor) -> tuple[Tensor, dict]:
+    def _hidden(self, ids: Tensor, pos: Tensor, labels: Tensor | None = None) -> tuple[Tensor, dict]:
         sp_rank, sp, ring = self._sp()
-        local = shard_batch({"input_ids": ids, "position_ids": pos}, sp_rank=sp_rank, sp_size=sp, ring=ring)
+        batch = {"input_ids": ids, "position_ids": pos}
+        if labels is not None:
+            batch["labels"] = labels
+        local = shard_batch(batch, sp_rank=sp_rank, sp_size=sp, ring=ring)
         local = {k: None if v is None else v.to(self.device) for k, v in local.items()}
         h = self.model.hidden_states(local["input_ids"], position_ids=local["position_ids"],
                                      document_ids=local["document_ids"])
@@ -203,8 +213,8 @@ class Evaluator:
     def _logits(self, h: Tensor) -> Tensor:
         return self.model.output(h).float()
 
-    def _loss_pass(self, ids: Tensor, pos: Tensor, sums: BucketSums | None) -> None:
-        h, local = self._hidden(ids, pos)
+    def _loss_pass(self, ids: Tensor, pos: Tensor, sums: BucketSums | None, labels: Tensor | None = None) -> None:
+        h, local = self._hidden(ids, pos, labels)
         labels, positions = local["labels"][0], local["position_ids"][0]
         h = h[0]
         vocab = self.model.output.weight.shape[0]

@@ -142,6 +142,10 @@ class Data:
         "one per context stage), upsample_min_tokens, upsample_factor, name}; on the command line "
         "PATH:WEIGHT,PATH:WEIGHT")
     tokenizer: str = _f("byte", "'byte' or the path of an HF tokenizer.json")
+    format: str = _f("text", "text: every token is trained on; chat: 'messages' records rendered with the "
+                             "chat template beside the tokenizer, only assistant turns trained on; "
+                             "prompt_completion: 'prompt' + 'completion', only the completion trained on",
+                     ("text", "chat", "prompt_completion"))
     text_key: str = _f("text", "field of each .jsonl record / table column that holds the text")
     shuffle: bool = _f(True, "shuffle document order each epoch (seeded by job.seed)")
     max_corpus_mb: float = _f(8.0, "size cap of the built-in corpus in MiB")

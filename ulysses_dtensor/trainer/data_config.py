@@ -101,6 +101,11 @@ def check_data_values(cfg: JobConfig) -> None:
     d = cfg.data
     if d.prefetch < 0:
         raise ConfigError(f"data.prefetch={d.prefetch} must be >= 0 (0: no background loading)")
+    if d.format != "text" and not d.path and not d.sources:
+        raise ConfigError(
+            f"{cfg.describe('data.format')} reads records from data.path or data.sources, and the built-in "
+            f"corpus (data.path='') is plain text: give .jsonl records or a store prepared with "
+            f"python -m ulysses_dtensor.prepare_data --format {d.format}, or data.format='text'")
     if not d.sources:
         return
     if d.path:

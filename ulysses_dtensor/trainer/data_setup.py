@@ -29,10 +29,12 @@ from ..data import (
     as_token_docs,
     build_source,
 )
+from ..data.sft import long_samples, open_source
 from ..data.token_docs import TokenDocs
 from ..data_checks import DataError, check_corpus
 from .config_schema import JobConfig
 from .eval_setup import held_out_error, split_for_eval
+from .hf_start import tokenizer_spec
 
 __all__ = ["TrainingData", "build_training_data"]
 
@@ -62,7 +64,7 @@ class TrainingData:
         if not self.cfg.data.sources:
             src = self.sources[0]
             return (f"data {self.cfg.data.path or 'built-in stdlib corpus'} ({kind(src)}): "
-                    f"{len(src)} documents; {schedule}")
+                    f"{len(src)} documents; {schedule}" + self.sft_banner(schedule))
         n_stages = len(schedule.stages)
         lines = [f"data: mixture of {len(self.specs)} sources, each row from one source; {schedule}"]
         for k, (s, src) in enumerate(zip(self.specs, self.sources)):
@@ -71,11 +73,29 @@ class TrainingData:
                   if s.upsampled else "")
             lines.append(f"    {s.label}: {shares} of the rows{' per stage' if n_stages > 1 else ''}, "
                          f"{s.path} ({kind(src)}, {len(src)} documents{up})")
+        lines[-1] += self.sft_banner(schedule)
         total = sum((taken or {}).values())
         if total:
             lines.append("    realised token shares so far: "
                          + ", ".join(f"{n} {t / total:.4f}" for n, t in taken.items()))
         return "\n".join(lines)
+
+    def sft_banner(self, schedule) -> str:
+        """For chat / prompt_completion data: what is trained on, and how many samples
+        each stage's rows must split (the long-sample rule of :mod:`~..data.sft`)."""
+        fmt = self.cfg.data.format
+        if fmt == "text":
+            return ""
+        what = "assistant turns" if fmt == "chat" else "completions"
+        out = [f"\n    data.format={fmt}: loss on {what} only, token-weighted over the global batch"]
+        lengths = sorted({st.seq_len for st in schedule.stages})
+        for k, src in enumerate(self.sources):
+            counts = [long_samples(src, n) for n in lengths]
+            longest = counts[0][1]
+            split = ", ".join(f"{c:,} > {n:,}" for (c, _), n in zip(counts, lengths))
+            out.append(f"\n    {self.specs[k].label}: {len(src):,} samples, longest {longest:,} tokens; "
+                       f"split across rows (longer than seq_len): {split}")
+        return "".join(out)
 
     def loading_banner(self) -> str:
         n = self.cfg.data.prefetch
@@ -165,13 +185,17 @@ def _index_over_world(docs: TokenizedSource) -> None:
     docs.build_index(dist.get_rank(), world, gather)
 
 
-def _open(key: str, path: str, text_key: str, max_corpus_mb: float = 8.0):
-    """``build_source``, its messages naming the config key (a source without documents,
-    a store without a manifest)."""
+def _open(cfg: JobConfig, key: str, path: str):
+    """The documents of ``path`` as ``data.format`` reads them (:func:`~..data.sft.open_source`),
+    its messages naming the config key (a source without documents, a store without a
+    manifest or of another format, no chat template)."""
+    d = cfg.data
     try:
-        return build_source(path, text_key, max_corpus_mb)
+        return open_source(path, d.format, tokenizer_spec(cfg), d.text_key, d.max_corpus_mb, key=key)
     except DataError as e:
         msg = str(e)
+        if msg.startswith((f"{key}=", "data.tokenizer=")):  # already names its key
+            raise DataError(msg) from None
         if msg.startswith(repr(path)):
             msg = msg[len(repr(path)):].lstrip()
             raise DataError(f"{key}={path!r} {msg}") from None
@@ -182,11 +206,10 @@ def build_training_data(cfg: JobConfig) -> TrainingData:
     """The sources and held-out documents of ``cfg`` (DataError / ConfigError)."""
     d = cfg.data
     if d.sources:
-        sources = [_open(f"data.sources[{i}].path", s.path, d.text_key) for i, s in enumerate(d.sources)]
+        sources = [_open(cfg, f"data.sources[{i}].path", s.path) for i, s in enumerate(d.sources)]
         _, held_out = split_for_eval(cfg, sources[0])
         return TrainingData(cfg, list(d.sources), sources, held_out)
-    source = _open("data.path", d.path, d.text_key, d.max_corpus_mb) if d.path else build_source(
-        "", max_corpus_mb=d.max_corpus_mb)
+    source = _open(cfg, "data.path", d.path) if d.path else build_source("", max_corpus_mb=d.max_corpus_mb)
     # With eval.holdout_fraction training reads only the documents outside the split.
     source, held_out = split_for_eval(cfg, source)
     spec = SourceSpec(path=d.path or "builtin", weight=1.0, name="data")

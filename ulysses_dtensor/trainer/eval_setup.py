@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..data import DataError, DocumentSource, build_source
+from ..data import DataError, DocumentSource
 from ..data_checks import check_corpus
 from ..evaluation import report
 from ..evaluation.heldout import split_held_out
@@ -44,8 +44,12 @@ def split_for_eval(cfg: JobConfig, source: DocumentSource) -> tuple[DocumentSour
                                   what=f"data.path={cfg.data.path!r}" if cfg.data.path else "the built-in corpus")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if ev.data_path:
-        return source, build_source(ev.data_path, cfg.data.text_key)
+    if ev.data_path:  # read like the training data (data.format: SFT targets)
+        from ..data.sft import open_source
+        from .hf_start import tokenizer_spec
+
+        return source, open_source(ev.data_path, cfg.data.format, tokenizer_spec(cfg), cfg.data.text_key,
+                                   key="eval.data_path")
     return source, None
 
 
