@@ -148,7 +148,11 @@ def check_transformers_model(cfg, dims) -> None:
     try:
         model = _meta_model(config)
     except ValueError as e:  # not a causal LM architecture transformers knows
-        raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {e}") from None
+        why = str(e).split("\nModel type should be one of")[0]  # not the list of every class
+        if type(config).__name__ in why and getattr(config, "sub_configs", None):
+            why += (" (a multimodal model: the trainer trains text-only causal LMs; parallelize_hf_model "
+                    "runs its text path in your own loop)")
+        raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {why}") from None
     from ..integrations.hf import _check_model
     from ..integrations.hf_attention import check_backend_for_patterns, model_patterns
     from ..integrations.hf_causal_lm import router_aux_setup

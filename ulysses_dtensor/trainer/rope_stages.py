@@ -57,7 +57,6 @@ def stage_ropes(
     ``rope_types``: the types the model's implementation can compute (ours: all).
     """
     rope, max_pos = model_rope_start(cfg, args)
-    head_dim = getattr(args, "rope_dim", None) or args.head_dim
     if rope is None:
         for i, st in enumerate(cfg.stages()):
             if st.sets_rope:
@@ -65,6 +64,7 @@ def stage_ropes(
                 raise ConfigError(f"context.schedule[{i}].{key} cannot be applied: {args.reason}; leave the "
                                   "model's own rope (config.json) for every stage")
         return None
+    head_dim = getattr(args, "rope_dim", None) or args.head_dim
     out = []
     for i, st in enumerate(cfg.stages()):
         key = f"context.schedule[{i}]"
