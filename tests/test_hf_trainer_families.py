@@ -74,21 +74,23 @@ def _aux_fn(model):
     return importlib.import_module(cls.__module__).load_balancing_loss_func
 
 
-def _reference(model, argv, router: bool) -> list[dict]:
-    """The trainer's 2 steps by hand on transformers' own unsharded model."""
-    from ulysses_dtensor.data import PackedLoader, TokenStream, build_source, build_tokenizer
+def reference(model, argv, router: bool, steps: int = STEPS) -> list[dict]:
+    """The trainer's first ``steps`` steps of ``argv`` (constant lr) by hand on transformers'
+    own unsharded model: loss (+ coef x aux), router_aux_loss, gradient norm before clipping."""
+    from ulysses_dtensor.data import build_tokenizer
     from ulysses_dtensor.trainer.config import load_config
+    from ulysses_dtensor.trainer.data_setup import build_training_data
 
     cfg = load_config(argv)
     opt = cfg.optimizer
-    adamw = torch.optim.AdamW(model.parameters(), lr=LR, betas=tuple(opt.betas), eps=opt.eps,
+    adamw = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                               weight_decay=opt.weight_decay)
-    stream = TokenStream(build_source("", cfg.data.text_key, cfg.data.max_corpus_mb), build_tokenizer("byte"),
-                         seed=cfg.job.seed, shuffle=cfg.data.shuffle)
-    loader = PackedLoader(stream)
+    # the trainer's global batches (one dp rank reading all of them)
+    schedule = cfg.context_schedule()
+    loader = build_training_data(cfg).loader(build_tokenizer(cfg.data.tokenizer), 0, 1, schedule, 0, None)
     rows = []
-    for _ in range(STEPS):
-        batch = loader.next_batch(BATCH, SEQ)
+    for step in range(1, steps + 1):
+        batch = loader.batch_for(step)
         total, count, logits_per_doc = 0.0, 0, []
         for ids, pos in zip(batch["input_ids"], batch["position_ids"]):
             starts = (pos == 0).nonzero().flatten().tolist()
@@ -112,6 +114,7 @@ def _reference(model, argv, router: bool) -> list[dict]:
         adamw.step()
         adamw.zero_grad()
         rows.append({"loss": loss.item(), "grad_norm": norm.item(), **row})
+    loader.close()
     return rows
 
 
@@ -128,7 +131,7 @@ def test_every_family_trains_through_the_trainer_as_transformers(tmp_path, capsy
     table = []
     for name, (_, router) in families.items():
         model = models[name].train()
-        ref = _reference(model, jobs[name], router)
+        ref = reference(model, jobs[name], router)
         rows = out[name]
         assert [r["step"] for r in rows] == [1, 2], name
         loss_rel = max(abs(r["loss"] - w["loss"]) / w["loss"] for r, w in zip(rows, ref))
