@@ -9,7 +9,9 @@
   activation checkpointing, compile, FSDP2 / HSDP), materialised, its weights
   read shard by shard (:func:`~ulysses_dtensor.integrations.hf_weights.load_transformers_weights`),
   and given the Llama's call interface (:func:`~ulysses_dtensor.integrations.hf_causal_lm.adapt_causal_lm`).
-  Any family the integration runs.
+  Any family the integration runs; context stages change its rope
+  (``set_rope``, :mod:`~ulysses_dtensor.integrations.hf_rope`) and MoE models with
+  ``output_router_logits`` train with their router load-balancing loss.
 * ``auto`` (default): ``native`` when our Llama can load the checkpoint,
   ``transformers`` otherwise; the run's banner says which and why.
 
