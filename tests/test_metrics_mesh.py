@@ -18,7 +18,12 @@ world size, and ``mfu`` is ``tps_per_device x flops_per_token(seq_len) /
 peak_flops``. ``test_throughput_formula`` checks the same figures on a synthetic
 step time.
 
-To check another model kind, add its arguments to ``MODELS``.
+To check another model kind, add its arguments to ``MODELS``. The transformers
+kind (``model.implementation = "transformers"``: a tiny Qwen3-MoE with its router
+load-balancing loss on) runs on one process and dp_shard 2 x sp 2 (ring meshes are
+refused for it); its first step's loss (with ``router_aux_loss_coef x`` the aux
+loss), ``router_aux_loss`` and gradient norm also equal transformers' own
+unsharded model on the same global batch.
 """
 
 from __future__ import annotations
@@ -36,10 +41,13 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS, SEQ, BATCH, EVAL_LENGTH = 3, 64, 4, 224  # passkey needs 211 byte tokens
 PEAK_FLOPS = 1e12
 
-# model kind -> trainer arguments (the lead adds the transformers path here)
+# model kind -> trainer arguments ({hf}: the kind's model directory, made by _model_dir)
 MODELS = {
     "llama": ["--model.flavor", "debug"],
+    "transformers": ["--model.hf_path", "{hf}", "--model.implementation", "transformers"],
 }
+# model kind -> the meshes it runs on (default: every mesh)
+MODEL_MESHES = {"transformers": ("dp2 x sp2",)}
 # name -> (dp_replicate, dp_shard, sp, ring)
 MESHES = {
     "dp2 x sp2": (1, 2, 2, 1),
@@ -51,7 +59,7 @@ REFERENCE = "1 process"
 INVARIANT, PER_DEVICE, TIMING, MESH = "invariant", "per device", "timing", "mesh"
 METRIC_FIELDS = {
     **dict.fromkeys(("step", "seq_len", "batch_size", "loss", "grad_norm", "lr", "tokens_seen",
-                     "rope_type", "rope_theta", "rope_factor"), INVARIANT),
+                     "rope_type", "rope_theta", "rope_factor", "router_aux_loss"), INVARIANT),
     **dict.fromkeys(("tps_per_device", "peak_memory_gib_per_device"), PER_DEVICE),
     **dict.fromkeys(("tps", "mfu", "step_time", "time", "exchange_ms", "exchange_fwd_ms", "exchange_bwd_ms",
                      "exchange_share", "data_wait_ms"), TIMING),
@@ -67,11 +75,28 @@ EVAL_FIELDS = {
 FP32 = dict(rel=2e-5, abs=1e-6)
 
 
-def _args(dump: Path, model: str, mesh: tuple[int, int, int, int]) -> list[str]:
+def _model_dir(model: str, root: Path) -> Path | None:
+    """The model directory of a transformers kind (a tiny Qwen3-MoE with output_router_logits)."""
+    if model != "transformers":
+        return None
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from make_tiny_hf_model import make_tiny_hf_model
+
+    hf = root / "hf"
+    make_tiny_hf_model(hf, "qwen3_moe", tokenizer=False, seed=3, perturb=0.1, vocab_size=320, dim=64, layers=2,
+                       heads=8, kv_heads=4, ffn_dim=96, init_std=0.08)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "output_router_logits": True, "router_aux_loss_coef": 0.1}))
+    return hf
+
+
+def _args(dump: Path, model: str, mesh: tuple[int, int, int, int], hf: Path | None = None) -> list[str]:
     rep, shard, sp, ring = mesh
     return [
         "--config", str(REPO / "train_configs" / "debug_model.toml"),
-        *MODELS[model],
+        *[str(hf) if a == "{hf}" else a for a in MODELS[model]],
         "--job.dump_folder", str(dump),
         "--training.steps", str(STEPS), "--training.seq_len", str(SEQ),
         "--training.global_batch_size", str(BATCH),
@@ -101,10 +126,12 @@ def runs(request, tmp_path_factory):
     """{mesh name: (metric rows, eval rows, world size, argv)} of one model kind."""
     model = request.param
     root = tmp_path_factory.mktemp(f"metrics-{model}")
-    argv = {REFERENCE: _args(root / "ref", model, (1, 1, 1, 1))}
-    argv.update({name: _args(root / f"m{i}", model, mesh) for i, (name, mesh) in enumerate(MESHES.items())})
+    hf = _model_dir(model, root)
+    meshes = MODEL_MESHES.get(model, tuple(MESHES))
+    argv = {REFERENCE: _args(root / "ref", model, (1, 1, 1, 1), hf)}
+    argv.update({name: _args(root / f"m{i}", model, MESHES[name], hf) for i, name in enumerate(meshes)})
     _train_jobs(0, 1, [argv[REFERENCE]])  # a world of one, as `python -m ulysses_dtensor.train` runs
-    run_ranks(4, _train_jobs, [argv[name] for name in MESHES])
+    run_ranks(4, _train_jobs, [argv[name] for name in meshes])
     out = {}
     for name, args in argv.items():
         dump = Path(args[args.index("--job.dump_folder") + 1])
@@ -157,7 +184,7 @@ def test_every_invariant_figure_equals_one_process(runs):
     assert {r["kind"] for r in ref_eval} == {"position_loss", "loss", "retrieval", "retrieval_mean", "eval"}
 
     table = []
-    for name in MESHES:
+    for name in [m for m in MESHES if m in out]:
         metrics, evals, _, _ = out[name]
         worst: dict[str, float] = {}
         _compare(name, metrics, ref_metrics, metric_classes, worst)
@@ -201,13 +228,42 @@ def test_throughput_follows_the_formula_on_every_mesh(runs):
     for name, (metrics, _, world, argv) in out.items():
         cfg = load_config(argv)
         vocab = resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
-        with torch.device("meta"):
-            flops = Llama(model_args(cfg, vocab)).flops_per_token
+        if model == "transformers":  # the adapter's count, on the meta model
+            from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm
+            from ulysses_dtensor.trainer.hf_model import _hf_config, _meta_model
+
+            flops = adapt_causal_lm(_meta_model(_hf_config(cfg))).flops_per_token
+        else:
+            with torch.device("meta"):
+                flops = Llama(model_args(cfg, vocab)).flops_per_token
         for r in metrics:
             assert r["tps"] * r["step_time"] == pytest.approx(r["batch_size"] * r["seq_len"], rel=1e-12), name
             assert r["tps_per_device"] == pytest.approx(r["tps"] / world, rel=1e-12), name
             assert r["mfu"] == pytest.approx(r["tps_per_device"] * flops(r["seq_len"]) / PEAK_FLOPS, rel=1e-12)
             assert r["peak_memory_gib_per_device"] > 0
+
+
+@pytest.mark.parametrize("runs", ["transformers"], indirect=True)
+def test_transformers_first_step_equals_transformers_unsharded(runs):
+    """Loss with the router aux loss, the aux loss and the gradient norm of step 1 on every
+    mesh equal transformers' own unsharded model on the same global batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from test_hf_trainer_families import reference
+
+    _, out = runs
+    argv = out[REFERENCE][3]
+    hf = argv[argv.index("--model.hf_path") + 1]
+    torch.manual_seed(0)
+    ref = reference(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).train(), argv, router=True, steps=1)[0]
+    for name, (metrics, *_) in out.items():
+        row = metrics[0]
+        assert row["loss"] == pytest.approx(ref["loss"], rel=1e-5), (name, row["loss"], ref)
+        assert row["router_aux_loss"] == pytest.approx(ref["router_aux_loss"], rel=1e-5), (name, row, ref)
+        assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (name, row["grad_norm"], ref)
+    print(f"\ntransformers kind, step 1 vs transformers unsharded: loss {ref['loss']:.6f} "
+          f"(router aux {ref['router_aux_loss']:.6f}), grad norm {ref['grad_norm']:.6f}")
 
 
 def test_throughput_formula(tmp_path):

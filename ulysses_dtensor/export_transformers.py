@@ -6,6 +6,9 @@ checkpoint *layout*: transformers 5 stores some families in memory in another
 layout than on disk (fused MoE experts, ...), and the files are written the way
 ``save_pretrained`` writes them (transformers' own reverse conversion), so that
 ``from_pretrained``, vLLM and the Hub tools read them as they read the source.
+A run whose context stages changed the rope gets the last trained stage's rope
+in config.json (``hf_rope.export_rope_fields``), written so ``from_pretrained``
+computes what the trainer computed.
 
 Offline, one process, no process group: the tensors are read from the DCP
 checkpoint one decoder layer at a time (a conversion never spans layers), so
@@ -59,6 +62,19 @@ def _raise_max_len(config: dict, max_len: int) -> dict:
     if "max_position_embeddings" in holder:
         holder["max_position_embeddings"] = max(int(holder["max_position_embeddings"] or 0), max_len)
     return config
+
+
+def _trained_config(model, source: dict, info: dict) -> tuple[dict, str | None]:
+    """The source config.json with the rope the checkpoint trained with last (when a
+    context stage changed it) and max_position_embeddings raised to the longest trained."""
+    from .integrations.hf_rope import export_rope_fields, rope_support
+    from .models.rope import RopeConfig
+
+    max_len = int(info.get("max_seq_len") or 0)
+    trained = RopeConfig.from_dict(info["rope"]) if info.get("rope") else None
+    if trained is None or trained == rope_support(model).rope:
+        return _raise_max_len(source, max_len), None
+    return export_rope_fields(source, trained, trained_len=max_len)
 
 
 def export_transformers_checkpoint(ckpt: Path, out: Path, info: dict, *, dtype: str | None,
@@ -119,10 +135,12 @@ def export_transformers_checkpoint(ckpt: Path, out: Path, info: dict, *, dtype: 
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = _raise_max_len(source, int(info.get("max_seq_len") or 0))
+    config, note = _trained_config(model, source, info)
     config.update(dtype=dtype, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     copied = _copy_tokenizer(info, out)
     print(f"exported {ckpt} -> {out}: {type(model).__name__} (transformers), {written} tensors, "
           f"{total / 1e6:.1f} MB {dtype} in {len(files)} file(s); tokenizer files: {', '.join(copied) or 'none'}")
+    if note:
+        print(f"note: {note}")
     return out

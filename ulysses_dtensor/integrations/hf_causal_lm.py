@@ -8,6 +8,7 @@ model as they call :class:`~ulysses_dtensor.models.llama.Llama`::
     h     = model.hidden_states(ids, position_ids=, document_ids=)   # final normed states
     logit = model.output(h)                 # the head; model.output.weight: (vocab, dim)
     model.flops_per_token(seq_len), model.args (sizes), model.num_params()
+    model.rope, model.set_rope(rope), model.rope_seq_len   # context stages change the rope
 
 :func:`adapt_causal_lm` gives a transformers model (usually after
 :func:`~.hf.parallelize_hf_model`) exactly that, in place: its class becomes a
@@ -26,6 +27,19 @@ parameter names stay the checkpoint's. transformers' own forward stays
   hooks gather what each uses (and the memory planner's tracker sees them); the
   integration's input checks run first. ``hidden_states`` is registered as a
   forward method of the root, as our Llama's is.
+* The rope: ``set_rope`` recomputes the rotary module's frequencies with
+  transformers' own functions (:mod:`.hf_rope`); ``dynamic`` / ``longrope``
+  take ``rope_seq_len`` (the trainer pins it to the step's global batch) or
+  ``1 + max(position_ids)`` over every sp rank, never one rank's slice.
+* MoE models with ``output_router_logits=True``: with labels, the loss share
+  adds ``router_aux_loss_coef x`` this rank's share of the router
+  load-balancing loss over the tokens of the call on EVERY rank
+  (:func:`~.hf_moe.router_aux_loss_share`): summed over ranks, transformers'
+  own loss of one unsharded forward over the whole global batch. With
+  micro-batches each forward covers one micro-batch of every rank, and the
+  trainer weights each by ``aux_loss_weight`` (1 / micro-batches): the step's
+  aux is the mean over micro-batches. ``pop_router_aux_loss()`` gives this
+  rank's share of that mean (for the metric).
 """
 
 from __future__ import annotations
@@ -37,6 +51,8 @@ import torch
 from torch import Tensor, nn
 
 from .hf_attention import DOCUMENT_IDS_KWARG
+from .hf_moe import router_aux_loss_share
+from .hf_rope import rope_inv_freq, rope_support, set_rotary
 from .hf_output_head import OutputHead, SPOutputHead, _is_fake, check_output_head
 
 __all__ = ["CausalLMShape", "SPCausalLM", "adapt_causal_lm", "causal_lm_shape", "transformers_class"]
@@ -147,10 +163,29 @@ class SPCausalLM:
         """The trainer's forward (transformers' own stays ``transformers_class(model).forward``);
         other keywords (from the integration's pre-hook) go to the decoder."""
         labels, count = kwargs.pop(_LABELS, None), kwargs.pop(_COUNT, None)
+        router = labels is not None and self._router_aux is not None
+        if router:
+            kwargs["output_router_logits"] = True
         h = self._sp_hidden(input_ids, position_ids, kwargs.pop(DOCUMENT_IDS_KWARG, None), **kwargs)
         if labels is None:
             return self.output(h)
-        return self.output.loss(h, labels, count)
+        if router:
+            h, router_logits = h
+        loss = self.output.loss(h, labels, count)
+        if router:
+            coef, experts, top_k, mesh = self._router_aux
+            share = router_aux_loss_share(tuple(router_logits), experts, top_k, mesh) * self.aux_loss_weight
+            self._router_aux_sum = self._router_aux_sum + share.detach()
+            loss = loss + coef * share
+        return loss
+
+    def pop_router_aux_loss(self) -> Tensor | None:
+        """This rank's share of the router loss of the calls since the last pop (None
+        without one); ``global_loss`` over ranks gives the value."""
+        if self._router_aux is None:
+            return None
+        value, self._router_aux_sum = self._router_aux_sum, 0.0
+        return torch.as_tensor(value, dtype=torch.float32)
 
     def hidden_states(self, input_ids: Tensor, position_ids: Tensor | None = None,
                       document_ids: Tensor | None = None) -> Tensor:
@@ -170,9 +205,51 @@ class SPCausalLM:
                 raise ValueError(f"document_ids {tuple(document_ids.shape)} must cover the whole padded "
                                  f"sequence, (batch, local_seq * sp) = ({b}, {s * sp})")
             kwargs[DOCUMENT_IDS_KWARG] = document_ids
+        if self._rope_driven and self.rope.length_dependent:
+            self._install_rope(self._rope_length(position_ids))
         decoder = getattr(self, self.base_model_prefix)
         out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return (h, out.router_logits) if kwargs.get("output_router_logits") else h
+
+    # -- rope ----------------------------------------------------------------
+
+    def set_rope(self, rope) -> None:
+        """Use ``rope`` (a :class:`~ulysses_dtensor.models.rope.RopeConfig`) from the next
+        forward on, weights untouched; ValueError naming the family for one whose rope
+        cannot be changed (``rope_support``'s reason)."""
+        from ..models.rope import RopeConfig
+
+        if not isinstance(rope, RopeConfig):
+            raise TypeError(f"set_rope takes a RopeConfig, got {type(rope).__name__}")
+        support = self.rope_support
+        if support.rope is None:
+            raise ValueError(f"cannot change the rope: {support.reason}")
+        rope.check_head_dim(support.rope_dim)
+        self.rope, self._rope_driven = rope, True
+        if not rope.length_dependent:
+            self._install_rope(None)
+
+    def _install_rope(self, seq_len: int | None) -> None:
+        support = self.rope_support
+        module = support.rotary[0]
+        key = (self.rope, seq_len)
+        if getattr(module, "_sp_rope_key", None) != key:  # the same rope and length: already there
+            inv_freq, scaling = rope_inv_freq(module, self.config.get_text_config(), self.rope, support.extras, seq_len)
+            set_rotary(module, inv_freq, scaling)
+            module._sp_rope_key = key
+
+    def _rope_length(self, position_ids: Tensor) -> int:
+        """L of the length-dependent types: ``rope_seq_len``, else 1 + the largest
+        position of this call over every sp rank."""
+        if self.rope_seq_len is not None:
+            return int(self.rope_seq_len)
+        longest = position_ids.max().reshape(1).to(torch.int64)
+        if self._sp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self._sp_group)
+        return int(longest.item()) + 1
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameter count (full, unsharded; tied weights once)."""
@@ -265,11 +342,10 @@ def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1
 
     if loss_chunks is not None and (isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 1):
         raise ValueError(f"loss_chunks={loss_chunks!r} must be a positive integer, or None for automatic")
+    router = None
     if getattr(model.config.get_text_config(), "output_router_logits", False):
-        raise ValueError(
-            f"{transformers_class(model).__name__}: config.output_router_logits=True adds the router load-balancing "
-            "loss, which this interface does not compute; set it to false in config.json"
-        )
+        router = router_aux_setup(model)
+        router = router[:3] + (pmesh.loss if pmesh is not None else None,)
     spec = check_output_head(model, transformers_class(model))
     model.__class__ = _subclass(type(model), SPCausalLM)
     head = model.get_output_embeddings()
@@ -280,4 +356,22 @@ def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1
     model.args = causal_lm_shape(model.config, transformers_class(model).__name__)
     model._sp_degree = (pmesh.dims.sp, pmesh.sp_rank) if pmesh is not None else (1, 0)
     model._active_params = _active_params(model, model.args)
+    model._router_aux, model._router_aux_sum, model.aux_loss_weight = router, 0.0, 1.0
+    # The rope: the model's own until set_rope; a length-dependent one is driven from
+    # the first call (transformers' own update would read one rank's slice).
+    support = rope_support(model)
+    model.rope_support, model.rope, model.rope_seq_len = support, support.rope, None
+    model._rope_driven = support.rope is not None and support.rope.length_dependent
+    model._sp_group = pmesh.sp.get_group() if pmesh is not None and pmesh.dims.sp > 1 else None
     return model
+
+
+def router_aux_setup(model: nn.Module) -> tuple:
+    """(router_aux_loss_coef, experts, experts per token, None) of a model with
+    ``output_router_logits=True``; ValueError naming the class where it has no router loss."""
+    missing = [a for a in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok") if not hasattr(model, a)]
+    if missing:
+        raise ValueError(
+            f"{transformers_class(model).__name__}: config.output_router_logits=True, but the model has no "
+            f"{', '.join(missing)}: not a router load-balancing loss this trainer computes; set it to false")
+    return float(model.router_aux_loss_coef), int(model.num_experts), int(model.num_experts_per_tok), None

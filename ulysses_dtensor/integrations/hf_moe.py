@@ -34,14 +34,14 @@ def router_aux_loss_share(
     router_logits: tuple[Tensor, ...],
     num_experts: int,
     top_k: int,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     valid: Tensor | None = None,
 ) -> Tensor:
     """This rank's share of the load-balancing loss of the whole global batch.
 
     router_logits: per layer, (local tokens, num_experts) as transformers returns
     them (``output_router_logits=True``); valid: (local tokens,) bool, False for
-    padding; mesh: every rank that holds tokens of the batch (``pmesh.loss``).
+    padding; mesh: every rank that holds tokens of the batch (``pmesh.loss``; None: one process).
     """
     device = router_logits[0].device
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -56,7 +56,8 @@ def router_aux_loss_share(
         probs_sum = probs_sum + (probs * w[:, None]).sum(dim=0)
         rows = rows + w.sum()
     stats = torch.cat([counts, torch.as_tensor(rows, dtype=torch.float32, device=device).view(1)]).detach()
-    stats = funcol.wait_tensor(funcol.all_reduce(stats, "sum", mesh.get_group()))
+    if mesh is not None and mesh.size() > 1:
+        stats = funcol.wait_tensor(funcol.all_reduce(stats, "sum", mesh.get_group()))
     counts, rows = stats[:num_experts], stats[num_experts]
     return num_experts * (counts * probs_sum).sum() / (rows * rows)
 

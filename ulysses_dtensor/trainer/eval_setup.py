@@ -167,21 +167,23 @@ def model_for_eval(cfg: JobConfig, pmesh, device: torch.device, vocab_size: int,
     load_model_weights(checkpoint, model)
     with open(Path(checkpoint) / "train_state.json") as fh:
         state = json.load(fh)
-    if hasattr(model, "set_rope"):  # transformers models keep config.json's rope
-        model.set_rope(_trained_rope(cfg, model, state))
+    rope = _trained_rope(cfg, model, state)
+    if rope is not None:  # None: a transformers family whose rope no stage can change
+        model.set_rope(rope)
     return model, state
 
 
 def _trained_rope(cfg: JobConfig, model, state: dict):
     """The rope the checkpoint trained with (recorded, else its step's stage in ``cfg``)."""
     from ..models.rope import RopeConfig
-    from .rope_stages import stage_ropes
+    from .rope_stages import rope_args, stage_ropes
 
     saved = state.get("context", {}).get("rope")
     if saved is not None:
         return RopeConfig.from_dict(saved)
     step = max(1, int(state.get("step", 1)))
-    return stage_ropes(cfg, model.args)[cfg.context_schedule().stage_index(step)]
+    ropes = stage_ropes(cfg, rope_args(model))
+    return None if ropes is None else ropes[cfg.context_schedule().stage_index(step)]
 
 
 def find_checkpoint(path: str | Path) -> Path:

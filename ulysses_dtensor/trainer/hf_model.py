@@ -9,7 +9,9 @@
   activation checkpointing, compile, FSDP2 / HSDP), materialised, its weights
   read shard by shard (:func:`~ulysses_dtensor.integrations.hf_weights.load_transformers_weights`),
   and given the Llama's call interface (:func:`~ulysses_dtensor.integrations.hf_causal_lm.adapt_causal_lm`).
-  Any family the integration runs.
+  Any family the integration runs; context stages change its rope
+  (``set_rope``, :mod:`~ulysses_dtensor.integrations.hf_rope`) and MoE models with
+  ``output_router_logits`` train with their router load-balancing loss.
 * ``auto`` (default): ``native`` when our Llama can load the checkpoint,
   ``transformers`` otherwise; the run's banner says which and why.
 
@@ -133,12 +135,6 @@ def check_transformers_model(cfg, dims) -> None:
             f"parallelism.ring={dims.ring} with {_where(cfg)}: transformers models run Ulysses only "
             f"(ring attention runs in this package's Llama); set parallelism.ring=1"
         )
-    for i, st in enumerate(cfg.stages()):
-        if st.sets_rope:
-            raise ConfigError(
-                f"context.schedule[{i}] sets a rope (rope_theta / rope_scaling), which the transformers "
-                f"implementation does not change yet ({_where(cfg)}); use model.implementation='native' "
-                f"for Llama / Qwen2 / Qwen3 / Mistral checkpoints, or leave the rope of config.json")
     config = _hf_config(cfg)
     if getattr(config, "quantization_config", None):
         raise ConfigError(f"{_where(cfg)}: quantized weights (quantization_config) are not supported; "
@@ -154,10 +150,17 @@ def check_transformers_model(cfg, dims) -> None:
     try:
         model = _meta_model(config)
     except ValueError as e:  # not a causal LM architecture transformers knows
-        raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {e}") from None
+        why = str(e).split("\nModel type should be one of")[0]  # not the list of every class
+        if type(config).__name__ in why and getattr(config, "sub_configs", None):
+            why += (" (a multimodal model: the trainer trains text-only causal LMs; parallelize_hf_model "
+                    "runs its text path in your own loop)")
+        raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {why}") from None
     from ..integrations.hf import _check_model
     from ..integrations.hf_attention import check_backend_for_patterns, model_patterns
+    from ..integrations.hf_causal_lm import router_aux_setup
     from ..integrations.hf_output_head import check_output_head
+    from ..integrations.hf_rope import rope_support
+    from .rope_stages import stage_ropes
 
     name = type(model).__name__
     try:
@@ -167,12 +170,12 @@ def check_transformers_model(cfg, dims) -> None:
         check_backend_for_patterns(name, cfg.model.attn_backend, model_patterns(text, attentions))
         check_output_head(model)
         if getattr(text, "output_router_logits", False):
-            raise ValueError(
-                f"{name}: output_router_logits=true adds the router load-balancing loss, which the trainer "
-                "does not compute yet; set it to false in config.json"
-            )
+            router_aux_setup(model)  # a router loss the adapter computes, or why not
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{_where(cfg)} with parallelism.sp={dims.sp}: {e}") from None
+    # Every stage's rope, in a type and shape this family's rotary module takes (ConfigError
+    # naming the stage and key; a family whose rope cannot change says why).
+    stage_ropes(cfg, rope_support(model))
 
 
 def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: bool = True,

@@ -39,7 +39,7 @@ from .data_setup import build_training_data
 from .eval_setup import PeriodicEval, check_eval_setup
 from .hf_start import model_info, tokenizer_spec
 from .metrics import MetricsLogger
-from .rope_stages import global_rope_length, rope_banner, rope_row, stage_ropes, trained_rope_info
+from .rope_stages import global_rope_length, rope_args, rope_banner, rope_row, stage_ropes, trained_rope_info
 from .step import build_optimizer, train_step
 
 __all__ = ["train", "init_distributed", "resolve_vocab_size"]
@@ -211,8 +211,9 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
     model = build_model(cfg, pmesh, vocab_size, device, init_weights=latest is None)
     optimizer = build_optimizer(cfg, model)
     info = model_info(cfg, model.args)
-    # Each stage's rope (checked in validate_config); transformers models keep config.json's.
-    ropes = stage_ropes(cfg, model.args) if hasattr(model, "set_rope") else None
+    # Each stage's rope (checked in validate_config); None: a transformers family whose
+    # rope cannot change (no stage sets one), config.json's throughout.
+    ropes = stage_ropes(cfg, rope_args(model))
 
     start_step, data_state = 0, None
     if ckpt.enable:
@@ -318,6 +319,9 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
             model.rope_seq_len = None  # evaluation forwards take their own batch's length
 
         loss_value = global_loss(loss_sum, pmesh.loss).item()
+        # MoE router load-balancing loss (transformers models, output_router_logits): in loss, and alone.
+        aux = model.pop_router_aux_loss() if hasattr(model, "pop_router_aux_loss") else None
+        aux_row = {} if aux is None else {"router_aux_loss": global_loss(aux, pmesh.loss).item()}
         grad_norm = float(grad_norm)
         step_time = time.perf_counter() - t0
         recent_step_times.append(step_time)
@@ -332,7 +336,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
             step_tokens=batch_size * seq_len,
             step_time=step_time,
             # Read after the loss was fetched: on CUDA the exchange events are done.
-            extra={**(rope_row(rope) if rope is not None else {}), **data.step_metrics(loader),
+            extra={**(rope_row(rope) if rope is not None else {}), **aux_row, **data.step_metrics(loader),
                    **(exchange_metrics(timer.read(), step_time) if timer is not None else {})},
         )
         if row is not None:

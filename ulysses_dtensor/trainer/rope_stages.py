@@ -19,11 +19,19 @@ from ..models.rope import ROPE_TYPES, RopeConfig, RopeError
 from .config_schema import ConfigError, JobConfig
 
 __all__ = ["stage_ropes", "rope_banner", "rope_row", "trained_rope_info", "global_rope_length",
-           "model_rope_start"]
+           "model_rope_start", "rope_args"]
 
 
-def model_rope_start(cfg: JobConfig, args) -> tuple[RopeConfig, int | None]:
+def rope_args(model):
+    """What :func:`stage_ropes` reads of a built model: our Llama's ``args``, or a
+    transformers model's ``rope_support`` (its rope, rotated dims, or why none)."""
+    return getattr(model, "rope_support", None) or model.args
+
+
+def model_rope_start(cfg: JobConfig, args) -> tuple[RopeConfig | None, int | None]:
     """(the model's own rope, its max_position_embeddings or None) before any stage."""
+    if hasattr(args, "max_position_embeddings"):  # a transformers model's (its text config's)
+        return args.rope, args.max_position_embeddings
     max_pos = None
     if cfg.model.hf_path:
         from .hf_start import hf_source_config
@@ -38,13 +46,25 @@ def stage_ropes(
     *,
     rope_types: tuple[str, ...] = ROPE_TYPES,
     family: str = "this model",
-) -> list[RopeConfig]:
+) -> list[RopeConfig] | None:
     """The rope of every stage of ``cfg.stages()`` (ConfigError naming the stage's key).
 
-    ``args``: the model's LlamaArgs (its ``rope`` and ``head_dim``).
+    ``args``: the model's LlamaArgs (its ``rope`` and ``head_dim``), or a
+    transformers model's :class:`~ulysses_dtensor.integrations.hf_rope.RopeSupport`
+    (:func:`rope_args`). None for a model whose rope cannot change (Gemma3's
+    per-layer-type ropes) when no stage sets one; a stage that does is an error
+    naming its key and the reason.
     ``rope_types``: the types the model's implementation can compute (ours: all).
     """
     rope, max_pos = model_rope_start(cfg, args)
+    if rope is None:
+        for i, st in enumerate(cfg.stages()):
+            if st.sets_rope:
+                key = "rope_scaling" if st.rope_scaling is not None else "rope_theta"
+                raise ConfigError(f"context.schedule[{i}].{key} cannot be applied: {args.reason}; leave the "
+                                  "model's own rope (config.json) for every stage")
+        return None
+    head_dim = getattr(args, "rope_dim", None) or args.head_dim
     out = []
     for i, st in enumerate(cfg.stages()):
         key = f"context.schedule[{i}]"
@@ -59,16 +79,22 @@ def stage_ropes(
                 rope = RopeConfig.from_parameters(
                     table, where=f"{key}.rope_scaling",
                     theta=st.rope_theta if st.rope_theta is not None else rope.theta,
-                    head_dim=args.head_dim, max_position_embeddings=max_pos)
+                    head_dim=head_dim, max_position_embeddings=max_pos)
             except RopeError as e:
                 raise ConfigError(str(e)) from None
         elif st.rope_theta is not None:
             rope = rope.with_theta(st.rope_theta)
+        where = (f"{key}.rope_scaling.rope_type" if st.rope_scaling is not None
+                 else f"rope_type of {key} (kept from {'the previous stage' if i else 'the model'})")
         if rope.rope_type not in rope_types:
-            where = (f"{key}.rope_scaling.rope_type" if st.rope_scaling is not None
-                     else f"rope_type of {key} (kept from {'the previous stage' if i else 'the model'})")
             raise ConfigError(
                 f"{where}={rope.rope_type!r} cannot be used by {family}; valid: {', '.join(rope_types)}")
+        check = getattr(args, "check_rope", None)  # a transformers family's own rules
+        if check is not None and st.sets_rope:
+            try:
+                check(rope)
+            except (RopeError, ValueError) as e:
+                raise ConfigError(f"{where}={rope.rope_type!r} cannot be used by this model: {e}") from None
         out.append(rope)
     return out
 

@@ -85,6 +85,9 @@ def train_step(
     micro = micro_batch_size or n_rows
     docs = batch.get("document_ids")
     loss_sum = torch.zeros((), device=ids.device)
+    if hasattr(model, "aux_loss_weight"):
+        # A per-call loss term (a MoE router loss) is the mean over the step's micro-batches.
+        model.aux_loss_weight = 1.0 / -(-n_rows // micro)
     for i in range(0, n_rows, micro):
         rows = slice(i, i + micro)
         phase("forward")

@@ -1,0 +1,156 @@
+"""Every transformers family the integration runs trains through the trainer (``model.implementation``).
+
+Each family's tiny config of ``test_hf_integration`` / ``test_hf_linear_attention``
+(vocabulary raised to 320 for the byte tokenizer; the MoE families with a router
+load-balancing loss get ``output_router_logits = true``) is saved as a model
+directory and trained by ``train()`` for 2 steps of 2 x 32 tokens on sp 2 (all
+families in ONE pooled 2-rank task). The reference is transformers' own unsharded
+model in this process on the same global batch (the trainer's loader over the
+built-in corpus): each packed document run alone, the token-mean loss plus
+``router_aux_loss_coef x`` transformers' own ``load_balancing_loss_func`` over the
+router logits of the whole batch, clipping and AdamW as the trainer does. Both
+steps' loss (relative error <= 1e-5) and gradient norm (<= 1e-4) must match, and
+``router_aux_loss`` equal transformers' aux loss.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("needs the hf extra (transformers)", allow_module_level=True)
+
+from distributed import run_ranks  # noqa: E402
+
+import test_hf_integration as integration  # noqa: E402
+import test_hf_linear_attention as linear  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, SEQ, BATCH, STEPS, LR = 320, 32, 2, 2, 3e-3
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+
+
+# Families the trainer refuses, with the words of the reason.
+REFUSED = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "AutoModelForCausalLM", "multimodal model")}
+
+
+def _families() -> dict:
+    """name -> (builder, router loss on)."""
+    out = {name: (integration.make_model, spec.moe) for name, spec in integration.FAMILIES.items()
+           if name not in REFUSED}
+    out.update({name: (linear.make_model, False) for name in linear.FAMILIES})
+    return out
+
+
+def _args(hf_dir, dump) -> list[str]:
+    return [
+        "--config", str(REPO / "train_configs" / "debug_hf.toml"),
+        "--model.hf_path", str(hf_dir), "--model.implementation", "transformers", "--data.tokenizer", "byte",
+        "--job.dump_folder", str(dump), "--training.steps", str(STEPS), "--training.global_batch_size", str(BATCH),
+        "--context.schedule", f"1:{SEQ}", "--parallelism.dp_shard", "1", "--parallelism.sp", "2",
+        "--optimizer.lr", str(LR), "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay", "none",
+        "--checkpoint.enable", "false", "--data.max_corpus_mb", "0.05", "--metrics.log_freq", "1",
+        "--metrics.progress_bar", "false",
+    ]
+
+
+def _train_all(rank, world, jobs):
+    from ulysses_dtensor.trainer.config import load_config
+    from ulysses_dtensor.trainer.loop import train
+
+    return {name: train(load_config(argv)) for name, argv in jobs.items()}
+
+
+def _aux_fn(model):
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers.models."))
+    return importlib.import_module(cls.__module__).load_balancing_loss_func
+
+
+def reference(model, argv, router: bool, steps: int = STEPS) -> list[dict]:
+    """The trainer's first ``steps`` steps of ``argv`` (constant lr) by hand on transformers'
+    own unsharded model: loss (+ coef x aux), router_aux_loss, gradient norm before clipping."""
+    from ulysses_dtensor.data import build_tokenizer
+    from ulysses_dtensor.trainer.config import load_config
+    from ulysses_dtensor.trainer.data_setup import build_training_data
+
+    cfg = load_config(argv)
+    opt = cfg.optimizer
+    adamw = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                              weight_decay=opt.weight_decay)
+    # the trainer's global batches (one dp rank reading all of them)
+    schedule = cfg.context_schedule()
+    loader = build_training_data(cfg).loader(build_tokenizer(cfg.data.tokenizer), 0, 1, schedule, 0, None)
+    rows = []
+    for step in range(1, steps + 1):
+        batch = loader.batch_for(step)
+        total, count, logits_per_doc = 0.0, 0, []
+        for ids, pos in zip(batch["input_ids"], batch["position_ids"]):
+            starts = (pos == 0).nonzero().flatten().tolist()
+            starts = ([0] if not starts or starts[0] else []) + starts + [len(pos)]
+            for a, b in zip(starts[:-1], starts[1:]):
+                out = model(input_ids=ids[None, a:b], output_router_logits=True) if router else model(ids[None, a:b])
+                if router:
+                    logits_per_doc.append(out.router_logits)
+                if b - a < 2:
+                    continue
+                total = total + F.cross_entropy(out.logits[0, :-1].float(), ids[a + 1:b], reduction="sum")
+                count += b - a - 1
+        loss, row = total / count, {}
+        if router:
+            aux = _aux_fn(model)(tuple(torch.cat(layer) for layer in zip(*logits_per_doc)),
+                                 model.num_experts, model.num_experts_per_tok)
+            loss = loss + model.router_aux_loss_coef * aux
+            row["router_aux_loss"] = aux.item()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
+        adamw.step()
+        adamw.zero_grad()
+        rows.append({"loss": loss.item(), "grad_norm": norm.item(), **row})
+    loader.close()
+    return rows
+
+
+def test_every_family_trains_through_the_trainer_as_transformers(tmp_path, capsys):
+    families = _families()
+    jobs, models = {}, {}
+    for name, (build, router) in families.items():
+        extra = {"output_router_logits": True} if router else {}
+        model = build(name, vocab_size=VOCAB, **extra)
+        model.save_pretrained(tmp_path / name)
+        jobs[name] = _args(tmp_path / name, tmp_path / "runs" / name)
+        models[name] = model
+    out = run_ranks(2, _train_all, jobs)[0]
+    table = []
+    for name, (_, router) in families.items():
+        model = models[name].train()
+        ref = reference(model, jobs[name], router)
+        rows = out[name]
+        assert [r["step"] for r in rows] == [1, 2], name
+        loss_rel = max(abs(r["loss"] - w["loss"]) / w["loss"] for r, w in zip(rows, ref))
+        norm_rel = max(abs(r["grad_norm"] - w["grad_norm"]) / w["grad_norm"] for r, w in zip(rows, ref))
+        assert loss_rel <= LOSS_RTOL, (name, [r["loss"] for r in rows], [w["loss"] for w in ref])
+        assert norm_rel <= GRAD_RTOL, (name, [r["grad_norm"] for r in rows], [w["grad_norm"] for w in ref])
+        if router:
+            for r, w in zip(rows, ref):
+                assert r["router_aux_loss"] == pytest.approx(w["router_aux_loss"], rel=LOSS_RTOL), name
+        else:
+            assert all("router_aux_loss" not in r for r in rows), name
+        table.append(f"{name}: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}" + (" (with router aux loss)" if router else ""))
+    from ulysses_dtensor.trainer.config import ConfigError, load_config, validate_config
+
+    for name, words in REFUSED.items():
+        integration.make_model(name, vocab_size=VOCAB).save_pretrained(tmp_path / name)
+        with pytest.raises(ConfigError) as e:
+            validate_config(load_config(_args(tmp_path / name, tmp_path / "runs" / name)), 2)
+        assert all(w in str(e.value) for w in words), str(e.value)
+        table.append(f"{name}: refused ({str(e.value).split(': ', 1)[1][:160]}...)")
+    with capsys.disabled():
+        print("\ntrainer (sp 2) vs transformers unsharded, worst relative error over 2 steps:\n  " + "\n  ".join(table))
