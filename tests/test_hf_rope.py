@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from distributed import run_ranks
+from packed_reference import packed_documents_loss
 from transformers_strict import no_transformers_warnings
 
 import test_hf_integration as integration
@@ -236,17 +236,7 @@ def _reference(hf_dir, toml) -> list[dict]:
         config.rope_parameters = dict(stage_ropes[schedule.stage_index(step)])
         model.model.rotary_emb = type(model.model.rotary_emb)(config)
         batch = loader.next_batch(schedule.batch_size(step), schedule.seq_len(step))
-        total, count = 0.0, 0
-        for ids, pos in zip(batch["input_ids"], batch["position_ids"]):
-            starts = (pos == 0).nonzero().flatten().tolist()
-            starts = ([0] if not starts or starts[0] else []) + starts + [len(pos)]
-            for a, b in zip(starts[:-1], starts[1:]):
-                if b - a < 2:
-                    continue
-                logits = model(ids[None, a:b], position_ids=pos[None, a:b]).logits[0]
-                total = total + F.cross_entropy(logits[:-1].float(), ids[a + 1:b], reduction="sum")
-                count += b - a - 1
-        loss = total / count
+        loss = packed_documents_loss(model, batch)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
         adamw.step()

@@ -1,0 +1,27 @@
+"""The unsharded reference for packed rows: each document run alone through a
+transformers model, next-token targets only inside documents."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def document_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """[a, b) of each packed document of one row (a document starts where its position is 0)."""
+    starts = (position_ids == 0).nonzero().flatten().tolist()
+    starts = ([0] if not starts or starts[0] else []) + starts + [len(position_ids)]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def packed_documents_loss(model, batch: dict) -> torch.Tensor:
+    """Token-mean cross-entropy over every row's documents, each forwarded alone."""
+    total, count = 0.0, 0
+    for ids, pos in zip(batch["input_ids"], batch["position_ids"]):
+        for a, b in document_spans(pos):
+            if b - a < 2:
+                continue
+            logits = model(ids[None, a:b], position_ids=pos[None, a:b]).logits[0]
+            total = total + F.cross_entropy(logits[:-1].float(), ids[a + 1:b], reduction="sum")
+            count += b - a - 1
+    return total / count
