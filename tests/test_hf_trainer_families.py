@@ -11,6 +11,12 @@ built-in corpus): each packed document run alone, the token-mean loss plus
 router logits of the whole batch, clipping and AdamW as the trainer does. Both
 steps' loss (relative error <= 1e-5) and gradient norm (<= 1e-4) must match, and
 ``router_aux_loss`` equal transformers' aux loss.
+
+The VL model (Qwen2.5-VL) trains its text path (text-only calls: transformers'
+own positions, the same on the three mrope sections); its run also checkpoints,
+and the export of that checkpoint must hold the source's tensor names, config.json
+and untouched (frozen) vision tower, load with the original class with warnings as
+errors, and give the trainer's logits.
 """
 
 from __future__ import annotations
@@ -38,26 +44,26 @@ VOCAB, SEQ, BATCH, STEPS, LR = 320, 32, 2, 2, 3e-3
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
 
-# Families the trainer refuses, with the words of the reason.
-REFUSED = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "AutoModelForCausalLM", "multimodal model")}
+# The VL model (its text path): token ids inside the vocabulary (a clean from_pretrained of the export).
+VL, VL_TEXT = "qwen2_5_vl", dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def _families() -> dict:
     """name -> (builder, router loss on)."""
-    out = {name: (integration.make_model, spec.moe) for name, spec in integration.FAMILIES.items()
-           if name not in REFUSED}
+    out = {name: (integration.make_model, spec.moe) for name, spec in integration.FAMILIES.items()}
     out.update({name: (linear.make_model, False) for name in linear.FAMILIES})
     return out
 
 
-def _args(hf_dir, dump) -> list[str]:
+def _args(hf_dir, dump, checkpoint: bool = False) -> list[str]:
     return [
         "--config", str(REPO / "train_configs" / "debug_hf.toml"),
         "--model.hf_path", str(hf_dir), "--model.implementation", "transformers", "--data.tokenizer", "byte",
         "--job.dump_folder", str(dump), "--training.steps", str(STEPS), "--training.global_batch_size", str(BATCH),
         "--context.schedule", f"1:{SEQ}", "--parallelism.dp_shard", "1", "--parallelism.sp", "2",
         "--optimizer.lr", str(LR), "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay", "none",
-        "--checkpoint.enable", "false", "--data.max_corpus_mb", "0.05", "--metrics.log_freq", "1",
+        *(["--checkpoint.interval", str(STEPS)] if checkpoint else ["--checkpoint.enable", "false"]),
+        "--data.max_corpus_mb", "0.05", "--metrics.log_freq", "1",
         "--metrics.progress_bar", "false",
     ]
 
@@ -123,9 +129,12 @@ def test_every_family_trains_through_the_trainer_as_transformers(tmp_path, capsy
     jobs, models = {}, {}
     for name, (build, router) in families.items():
         extra = {"output_router_logits": True} if router else {}
+        if name == VL:
+            extra = VL_TEXT
         model = build(name, vocab_size=VOCAB, **extra)
         model.save_pretrained(tmp_path / name)
-        jobs[name] = _args(tmp_path / name, tmp_path / "runs" / name)
+        # The VL model also checkpoints, for its export below.
+        jobs[name] = _args(tmp_path / name, tmp_path / "runs" / name, checkpoint=name == VL)
         models[name] = model
     out = run_ranks(2, _train_all, jobs)[0]
     table = []
@@ -144,13 +153,54 @@ def test_every_family_trains_through_the_trainer_as_transformers(tmp_path, capsy
         else:
             assert all("router_aux_loss" not in r for r in rows), name
         table.append(f"{name}: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}" + (" (with router aux loss)" if router else ""))
-    from ulysses_dtensor.trainer.config import ConfigError, load_config, validate_config
-
-    for name, words in REFUSED.items():
-        integration.make_model(name, vocab_size=VOCAB).save_pretrained(tmp_path / name)
-        with pytest.raises(ConfigError) as e:
-            validate_config(load_config(_args(tmp_path / name, tmp_path / "runs" / name)), 2)
-        assert all(w in str(e.value) for w in words), str(e.value)
-        table.append(f"{name}: refused ({str(e.value).split(': ', 1)[1][:160]}...)")
+    table.append(_vl_export(tmp_path, models[VL].eval()))
     with capsys.disabled():
         print("\ntrainer (sp 2) vs transformers unsharded, worst relative error over 2 steps:\n  " + "\n  ".join(table))
+
+
+def _vl_export(tmp_path, trained_ref) -> str:
+    """The VL run's checkpoint exported: the source's tensor names and config.json, loaded by
+    the original class with warnings as errors; its text logits equal the trainer's model
+    (the checkpoint in the adapter) and transformers' own model trained alongside; the
+    frozen vision tower exactly as loaded."""
+    import transformers
+    from safetensors import safe_open
+    from transformers_strict import no_transformers_warnings
+
+    from ulysses_dtensor.export import main as export_main
+    from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm
+    from ulysses_dtensor.integrations.hf_weights import init_non_persistent_buffers
+    from ulysses_dtensor.trainer.checkpoint import load_model_weights
+
+    src, ckpt, out = tmp_path / VL, tmp_path / "runs" / VL / "checkpoint" / f"step-{STEPS}", tmp_path / "vl_hf"
+    assert export_main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    tensors = lambda d: {k: f.get_tensor(k) for p in d.glob("*.safetensors")  # noqa: E731
+                         for f in [safe_open(str(p), "pt")] for k in f.keys()}
+    exported_t, source_t = tensors(out), tensors(src)
+    assert exported_t.keys() == source_t.keys()  # save_pretrained's layout ("model.layers.*", "visual.*")
+    vision = [k for k in source_t if k.startswith("visual.")]
+    assert vision and all(torch.equal(exported_t[k], source_t[k]) for k in vision)  # frozen
+    config, source = (json.loads((d / "config.json").read_text()) for d in (out, src))
+    assert {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")} == {
+        k: v for k, v in source.items() if k not in ("dtype", "torch_dtype")}
+
+    cls = getattr(transformers, integration.FAMILIES[VL].model)
+    with no_transformers_warnings():
+        exported = cls.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        trainer_model = cls._from_config(transformers.AutoConfig.from_pretrained(src), dtype=torch.float32)
+    trainer_model.to_empty(device="cpu")
+    init_non_persistent_buffers(trainer_model)
+    load_model_weights(ckpt, trainer_model)
+    trainer_model = adapt_causal_lm(trainer_model.eval())
+    start = cls.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want, got = trainer_model(ids), exported(input_ids=ids).logits
+        ref, before = trained_ref(input_ids=ids).logits, start(input_ids=ids).logits
+    diff, ref_diff = (got - want).abs().max().item(), (got - ref).abs().max().item()
+    assert diff < 1e-5 and ref_diff < 1e-4, (diff, ref_diff)
+    moved = (want - before).abs().max().item()
+    assert moved > 1e-2, moved  # it trained
+    return (f"{VL} export -> from_pretrained: logits vs the trainer's {diff:.1e}, vs transformers' trained "
+            f"{ref_diff:.1e} (training moved them {moved:.1e})")
