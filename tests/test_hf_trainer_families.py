@@ -68,11 +68,23 @@ def _args(hf_dir, dump, checkpoint: bool = False) -> list[str]:
     ]
 
 
-def _train_all(rank, world, jobs):
+def _train_all(rank, world, jobs, seeds):
+    """Each job's metric rows; a job named in ``seeds`` first gets a checkpoint copied in."""
+    import shutil
+
+    import torch.distributed as dist
+
     from ulysses_dtensor.trainer.config import load_config
     from ulysses_dtensor.trainer.loop import train
 
-    return {name: train(load_config(argv)) for name, argv in jobs.items()}
+    out = {}
+    for name, argv in jobs.items():
+        if name in seeds:
+            if rank == 0:
+                shutil.copytree(*seeds[name])
+            dist.barrier()
+        out[name] = train(load_config(argv))
+    return out
 
 
 def _aux_fn(model):
@@ -133,10 +145,21 @@ def test_every_family_trains_through_the_trainer_as_transformers(tmp_path, capsy
             extra = VL_TEXT
         model = build(name, vocab_size=VOCAB, **extra)
         model.save_pretrained(tmp_path / name)
-        # The VL model also checkpoints, for its export below.
         jobs[name] = _args(tmp_path / name, tmp_path / "runs" / name, checkpoint=name == VL)
         models[name] = model
-    out = run_ranks(2, _train_all, jobs)[0]
+    # The VL run also checkpoints (steps 1, 2: resume, export) and evaluates at step 2; it
+    # resumes from step 1 on another mesh (dp_shard 2: the frozen vision tower has no optimizer
+    # state to restore).
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text(Path(json.__file__).read_text())
+    jobs[VL] += ["--checkpoint.interval", "1", *_vl_eval_args(held_out)]
+    resumed = VL + " resumed"
+    jobs[resumed] = _args(tmp_path / VL, tmp_path / "runs" / resumed, checkpoint=True)
+    jobs[resumed][jobs[resumed].index("--parallelism.dp_shard") + 1: jobs[resumed].index("--parallelism.sp") + 2] = [
+        "2", "--parallelism.sp", "1"]
+    seeds = {resumed: (tmp_path / "runs" / VL / "checkpoint" / "step-1",
+                       tmp_path / "runs" / resumed / "checkpoint" / "step-1")}
+    out = run_ranks(2, _train_all, jobs, seeds)[0]
     table = []
     for name, (_, router) in families.items():
         model = models[name].train()
@@ -153,9 +176,49 @@ def test_every_family_trains_through_the_trainer_as_transformers(tmp_path, capsy
         else:
             assert all("router_aux_loss" not in r for r in rows), name
         table.append(f"{name}: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}" + (" (with router aux loss)" if router else ""))
-    table.append(_vl_export(tmp_path, models[VL].eval()))
+        if name == VL:
+            # resumed at step 1 on dp_shard 2: step 2 as the uninterrupted run's
+            again = out[resumed]
+            assert [r["step"] for r in again] == [2], again
+            assert again[0]["loss"] == pytest.approx(ref[1]["loss"], rel=LOSS_RTOL)
+            assert again[0]["grad_norm"] == pytest.approx(ref[1]["grad_norm"], rel=GRAD_RTOL)
+    table.append(_vl_eval(tmp_path / "runs" / VL, models[VL].eval(), held_out))
+    table.append(_vl_export(tmp_path, models[VL]))
     with capsys.disabled():
         print("\ntrainer (sp 2) vs transformers unsharded, worst relative error over 2 steps:\n  " + "\n  ".join(table))
+
+
+EVAL_LENGTH, EVAL_ROWS = 33, 2  # sp does not divide the length: evaluation pads
+
+
+def _vl_eval_args(held_out) -> list[str]:
+    return ["--eval.interval", str(STEPS), "--eval.tasks", "loss", "--eval.lengths", str(EVAL_LENGTH),
+            "--eval.loss_rows", str(EVAL_ROWS), "--eval.data_path", str(held_out)]
+
+
+def _vl_eval(dump, trained_ref, held_out) -> str:
+    """The trainer's held-out loss at step 2 (sp 2) equals transformers' trained model's
+    over the same rows (each packed document alone)."""
+    from ulysses_dtensor.data import TokenStream, build_source, build_tokenizer
+
+    rows = [json.loads(line) for line in (dump / "eval" / "eval.jsonl").read_text().splitlines() if line.strip()]
+    (got,) = [r for r in rows if r["kind"] == "loss" and r["step"] == STEPS]
+    stream = TokenStream(build_source(str(held_out)), build_tokenizer("byte"), seed=1234, shuffle=False)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for _ in range(EVAL_ROWS):
+            ids, pos = (torch.from_numpy(a) for a in stream.take(EVAL_LENGTH))
+            starts = (pos == 0).nonzero().flatten().tolist()
+            starts = ([0] if not starts or starts[0] else []) + starts + [len(pos)]
+            for a, b in zip(starts[:-1], starts[1:]):
+                if b - a > 1:
+                    logits = trained_ref(input_ids=ids[None, a:b]).logits[0, :-1]
+                    total += F.cross_entropy(logits, ids[a + 1:b], reduction="sum").item()
+                    count += b - a - 1
+    assert got["tokens"] == count, (got, count)
+    rel = abs(got["loss"] - total / count) / (total / count)
+    assert rel <= 1e-5, (got["loss"], total / count)
+    return f"{VL} eval (sp 2, length {EVAL_LENGTH}) vs transformers' trained model: loss {rel:.1e}"
 
 
 def _vl_export(tmp_path, trained_ref) -> str:
