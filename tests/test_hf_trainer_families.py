@@ -184,6 +184,7 @@ def test_every_family_trains_through_the_trainer_as_transformers(tmp_path, capsy
             assert again[0]["grad_norm"] == pytest.approx(ref[1]["grad_norm"], rel=GRAD_RTOL)
     table.append(_vl_eval(tmp_path / "runs" / VL, models[VL].eval(), held_out))
     table.append(_vl_export(tmp_path, models[VL]))
+    table.append(_vl_plan(jobs[VL], models[VL]))
     with capsys.disabled():
         print("\ntrainer (sp 2) vs transformers unsharded, worst relative error over 2 steps:\n  " + "\n  ".join(table))
 
@@ -267,3 +268,21 @@ def _vl_export(tmp_path, trained_ref) -> str:
     assert moved > 1e-2, moved  # it trained
     return (f"{VL} export -> from_pretrained: logits vs the trainer's {diff:.1e}, vs transformers' trained "
             f"{ref_diff:.1e} (training moved them {moved:.1e})")
+
+
+def _vl_plan(argv, model) -> str:
+    """The memory planner traces the VL model (sp 2 x dp_shard 2, fake ranks): optimizer state for
+    the text path only (AdamW's two fp32 moments, sharded over 4 ranks; a vision tower that
+    trained would add its own), and the frozen tower's FSDP group, never gathered, traces."""
+    from ulysses_dtensor.estimate import plan_memory
+    from ulysses_dtensor.trainer.config import load_config
+
+    argv = list(argv)
+    argv[argv.index("--parallelism.dp_shard") + 1] = "2"
+    plan = plan_memory(load_config(argv), 4, SEQ, rows=1, device="cpu")
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    text = sum(p.numel() for p in model.parameters()) - vision
+    state = plan.breakdown.get("OptState") or plan.end_of_forward.get("OptState")
+    assert state == pytest.approx(2 * 4 * text / 4, rel=0.02), (state, text, vision)
+    assert vision * 2 * 4 / 4 > 0.05 * state  # a trained tower would be seen
+    return f"{VL} memory plan: optimizer state {state} B for {text} text parameters ({vision} frozen vision)"
