@@ -11,6 +11,12 @@ built-in corpus): each packed document run alone, the token-mean loss plus
 router logits of the whole batch, clipping and AdamW as the trainer does. Both
 steps' loss (relative error <= 1e-5) and gradient norm (<= 1e-4) must match, and
 ``router_aux_loss`` equal transformers' aux loss.
+
+The VL model (Qwen2.5-VL) trains its text path (text-only calls: transformers'
+own positions, the same on the three mrope sections); its run also checkpoints,
+and the export of that checkpoint must hold the source's tensor names, config.json
+and untouched (frozen) vision tower, load with the original class with warnings as
+errors, and give the trainer's logits.
 """
 
 from __future__ import annotations
@@ -38,35 +44,47 @@ VOCAB, SEQ, BATCH, STEPS, LR = 320, 32, 2, 2, 3e-3
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
 
-# Families the trainer refuses, with the words of the reason.
-REFUSED = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "AutoModelForCausalLM", "multimodal model")}
+# The VL model (its text path): token ids inside the vocabulary (a clean from_pretrained of the export).
+VL, VL_TEXT = "qwen2_5_vl", dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def _families() -> dict:
     """name -> (builder, router loss on)."""
-    out = {name: (integration.make_model, spec.moe) for name, spec in integration.FAMILIES.items()
-           if name not in REFUSED}
+    out = {name: (integration.make_model, spec.moe) for name, spec in integration.FAMILIES.items()}
     out.update({name: (linear.make_model, False) for name in linear.FAMILIES})
     return out
 
 
-def _args(hf_dir, dump) -> list[str]:
+def _args(hf_dir, dump, checkpoint: bool = False) -> list[str]:
     return [
         "--config", str(REPO / "train_configs" / "debug_hf.toml"),
         "--model.hf_path", str(hf_dir), "--model.implementation", "transformers", "--data.tokenizer", "byte",
         "--job.dump_folder", str(dump), "--training.steps", str(STEPS), "--training.global_batch_size", str(BATCH),
         "--context.schedule", f"1:{SEQ}", "--parallelism.dp_shard", "1", "--parallelism.sp", "2",
         "--optimizer.lr", str(LR), "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay", "none",
-        "--checkpoint.enable", "false", "--data.max_corpus_mb", "0.05", "--metrics.log_freq", "1",
+        *(["--checkpoint.interval", str(STEPS)] if checkpoint else ["--checkpoint.enable", "false"]),
+        "--data.max_corpus_mb", "0.05", "--metrics.log_freq", "1",
         "--metrics.progress_bar", "false",
     ]
 
 
-def _train_all(rank, world, jobs):
+def _train_all(rank, world, jobs, seeds):
+    """Each job's metric rows; a job named in ``seeds`` first gets a checkpoint copied in."""
+    import shutil
+
+    import torch.distributed as dist
+
     from ulysses_dtensor.trainer.config import load_config
     from ulysses_dtensor.trainer.loop import train
 
-    return {name: train(load_config(argv)) for name, argv in jobs.items()}
+    out = {}
+    for name, argv in jobs.items():
+        if name in seeds:
+            if rank == 0:
+                shutil.copytree(*seeds[name])
+            dist.barrier()
+        out[name] = train(load_config(argv))
+    return out
 
 
 def _aux_fn(model):
@@ -123,11 +141,25 @@ def test_every_family_trains_through_the_trainer_as_transformers(tmp_path, capsy
     jobs, models = {}, {}
     for name, (build, router) in families.items():
         extra = {"output_router_logits": True} if router else {}
+        if name == VL:
+            extra = VL_TEXT
         model = build(name, vocab_size=VOCAB, **extra)
         model.save_pretrained(tmp_path / name)
-        jobs[name] = _args(tmp_path / name, tmp_path / "runs" / name)
+        jobs[name] = _args(tmp_path / name, tmp_path / "runs" / name, checkpoint=name == VL)
         models[name] = model
-    out = run_ranks(2, _train_all, jobs)[0]
+    # The VL run also checkpoints (steps 1, 2: resume, export) and evaluates at step 2; it
+    # resumes from step 1 on another mesh (dp_shard 2: the frozen vision tower has no optimizer
+    # state to restore).
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text(Path(json.__file__).read_text())
+    jobs[VL] += ["--checkpoint.interval", "1", *_vl_eval_args(held_out)]
+    resumed = VL + " resumed"
+    jobs[resumed] = _args(tmp_path / VL, tmp_path / "runs" / resumed, checkpoint=True)
+    jobs[resumed][jobs[resumed].index("--parallelism.dp_shard") + 1: jobs[resumed].index("--parallelism.sp") + 2] = [
+        "2", "--parallelism.sp", "1"]
+    seeds = {resumed: (tmp_path / "runs" / VL / "checkpoint" / "step-1",
+                       tmp_path / "runs" / resumed / "checkpoint" / "step-1")}
+    out = run_ranks(2, _train_all, jobs, seeds)[0]
     table = []
     for name, (_, router) in families.items():
         model = models[name].train()
@@ -144,13 +176,113 @@ def test_every_family_trains_through_the_trainer_as_transformers(tmp_path, capsy
         else:
             assert all("router_aux_loss" not in r for r in rows), name
         table.append(f"{name}: loss {loss_rel:.1e}, grad norm {norm_rel:.1e}" + (" (with router aux loss)" if router else ""))
-    from ulysses_dtensor.trainer.config import ConfigError, load_config, validate_config
-
-    for name, words in REFUSED.items():
-        integration.make_model(name, vocab_size=VOCAB).save_pretrained(tmp_path / name)
-        with pytest.raises(ConfigError) as e:
-            validate_config(load_config(_args(tmp_path / name, tmp_path / "runs" / name)), 2)
-        assert all(w in str(e.value) for w in words), str(e.value)
-        table.append(f"{name}: refused ({str(e.value).split(': ', 1)[1][:160]}...)")
+        if name == VL:
+            # resumed at step 1 on dp_shard 2: step 2 as the uninterrupted run's
+            again = out[resumed]
+            assert [r["step"] for r in again] == [2], again
+            assert again[0]["loss"] == pytest.approx(ref[1]["loss"], rel=LOSS_RTOL)
+            assert again[0]["grad_norm"] == pytest.approx(ref[1]["grad_norm"], rel=GRAD_RTOL)
+    table.append(_vl_eval(tmp_path / "runs" / VL, models[VL].eval(), held_out))
+    table.append(_vl_export(tmp_path, models[VL]))
+    table.append(_vl_plan(jobs[VL], models[VL]))
     with capsys.disabled():
         print("\ntrainer (sp 2) vs transformers unsharded, worst relative error over 2 steps:\n  " + "\n  ".join(table))
+
+
+EVAL_LENGTH, EVAL_ROWS = 33, 2  # sp does not divide the length: evaluation pads
+
+
+def _vl_eval_args(held_out) -> list[str]:
+    return ["--eval.interval", str(STEPS), "--eval.tasks", "loss", "--eval.lengths", str(EVAL_LENGTH),
+            "--eval.loss_rows", str(EVAL_ROWS), "--eval.data_path", str(held_out)]
+
+
+def _vl_eval(dump, trained_ref, held_out) -> str:
+    """The trainer's held-out loss at step 2 (sp 2) equals transformers' trained model's
+    over the same rows (each packed document alone)."""
+    from ulysses_dtensor.data import TokenStream, build_source, build_tokenizer
+
+    rows = [json.loads(line) for line in (dump / "eval" / "eval.jsonl").read_text().splitlines() if line.strip()]
+    (got,) = [r for r in rows if r["kind"] == "loss" and r["step"] == STEPS]
+    stream = TokenStream(build_source(str(held_out)), build_tokenizer("byte"), seed=1234, shuffle=False)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for _ in range(EVAL_ROWS):
+            ids, pos = (torch.from_numpy(a) for a in stream.take(EVAL_LENGTH))
+            starts = (pos == 0).nonzero().flatten().tolist()
+            starts = ([0] if not starts or starts[0] else []) + starts + [len(pos)]
+            for a, b in zip(starts[:-1], starts[1:]):
+                if b - a > 1:
+                    logits = trained_ref(input_ids=ids[None, a:b]).logits[0, :-1]
+                    total += F.cross_entropy(logits, ids[a + 1:b], reduction="sum").item()
+                    count += b - a - 1
+    assert got["tokens"] == count, (got, count)
+    rel = abs(got["loss"] - total / count) / (total / count)
+    assert rel <= 1e-5, (got["loss"], total / count)
+    return f"{VL} eval (sp 2, length {EVAL_LENGTH}) vs transformers' trained model: loss {rel:.1e}"
+
+
+def _vl_export(tmp_path, trained_ref) -> str:
+    """The VL run's checkpoint exported: the source's tensor names and config.json, loaded by
+    the original class with warnings as errors; its text logits equal the trainer's model
+    (the checkpoint in the adapter) and transformers' own model trained alongside; the
+    frozen vision tower exactly as loaded."""
+    import transformers
+    from safetensors import safe_open
+    from transformers_strict import no_transformers_warnings
+
+    from ulysses_dtensor.export import main as export_main
+    from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm
+    from ulysses_dtensor.integrations.hf_weights import init_non_persistent_buffers
+    from ulysses_dtensor.trainer.checkpoint import load_model_weights
+
+    src, ckpt, out = tmp_path / VL, tmp_path / "runs" / VL / "checkpoint" / f"step-{STEPS}", tmp_path / "vl_hf"
+    assert export_main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    tensors = lambda d: {k: f.get_tensor(k) for p in d.glob("*.safetensors")  # noqa: E731
+                         for f in [safe_open(str(p), "pt")] for k in f.keys()}
+    exported_t, source_t = tensors(out), tensors(src)
+    assert exported_t.keys() == source_t.keys()  # save_pretrained's layout ("model.layers.*", "visual.*")
+    vision = [k for k in source_t if k.startswith("visual.")]
+    assert vision and all(torch.equal(exported_t[k], source_t[k]) for k in vision)  # frozen
+    config, source = (json.loads((d / "config.json").read_text()) for d in (out, src))
+    assert {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")} == {
+        k: v for k, v in source.items() if k not in ("dtype", "torch_dtype")}
+
+    cls = getattr(transformers, integration.FAMILIES[VL].model)
+    with no_transformers_warnings():
+        exported = cls.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        trainer_model = cls._from_config(transformers.AutoConfig.from_pretrained(src), dtype=torch.float32)
+    trainer_model.to_empty(device="cpu")
+    init_non_persistent_buffers(trainer_model)
+    load_model_weights(ckpt, trainer_model)
+    trainer_model = adapt_causal_lm(trainer_model.eval())
+    start = cls.from_pretrained(src, dtype=torch.float32).eval()
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want, got = trainer_model(ids), exported(input_ids=ids).logits
+        ref, before = trained_ref(input_ids=ids).logits, start(input_ids=ids).logits
+    diff, ref_diff = (got - want).abs().max().item(), (got - ref).abs().max().item()
+    assert diff < 1e-5 and ref_diff < 1e-4, (diff, ref_diff)
+    moved = (want - before).abs().max().item()
+    assert moved > 1e-2, moved  # it trained
+    return (f"{VL} export -> from_pretrained: logits vs the trainer's {diff:.1e}, vs transformers' trained "
+            f"{ref_diff:.1e} (training moved them {moved:.1e})")
+
+
+def _vl_plan(argv, model) -> str:
+    """The memory planner traces the VL model (sp 2 x dp_shard 2, fake ranks): optimizer state for
+    the text path only (AdamW's two fp32 moments, sharded over 4 ranks; a vision tower that
+    trained would add its own), and the frozen tower's FSDP group, never gathered, traces."""
+    from ulysses_dtensor.estimate import plan_memory
+    from ulysses_dtensor.trainer.config import load_config
+
+    argv = list(argv)
+    argv[argv.index("--parallelism.dp_shard") + 1] = "2"
+    plan = plan_memory(load_config(argv), 4, SEQ, rows=1, device="cpu")
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    text = sum(p.numel() for p in model.parameters()) - vision
+    state = plan.breakdown.get("OptState") or plan.end_of_forward.get("OptState")
+    assert state == pytest.approx(2 * 4 * text / 4, rel=0.02), (state, text, vision)
+    assert vision * 2 * 4 / 4 > 0.05 * state  # a trained tower would be seen
+    return f"{VL} memory plan: optimizer state {state} B for {text} text parameters ({vision} frozen vision)"

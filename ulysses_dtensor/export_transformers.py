@@ -14,7 +14,9 @@ Offline, one process, no process group: the tensors are read from the DCP
 checkpoint one decoder layer at a time (a conversion never spans layers), so
 host memory is bounded by one output shard, not the model. ``config.json`` is
 the source model's, ``max_position_embeddings`` raised to the longest trained
-sequence; the tokenizer files of the source directory are copied.
+sequence; the tokenizer files of the source directory are copied. A multimodal
+model (Qwen2.5-VL) is written whole: the trained text path and the (frozen)
+vision tower, under the names ``save_pretrained`` gives them.
 """
 
 from __future__ import annotations
@@ -33,16 +35,21 @@ _LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
 
 
 def _meta_model(source: dict):
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .integrations.hf_causal_lm import auto_model_class
 
     model_type = source.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise HFCheckpointError(f"the checkpoint's source config has model_type={model_type!r}, unknown to "
                                 f"this transformers")
     config = CONFIG_MAPPING[model_type].from_dict(dict(source))
+    try:
+        cls = auto_model_class(config)  # the class the trainer built (a VL model's image-text-to-text class)
+    except ValueError as e:
+        raise HFCheckpointError(f"the checkpoint's source config: {e}") from None
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return cls.from_config(config, dtype=torch.float32)
 
 
 def _groups(names: list[str]) -> list[list[str]]:

@@ -72,6 +72,19 @@ def _make_tracker_cls():
             self._pending_kind = None
             self._kinds: dict = defaultdict(int)  # (device, reftype, kind) -> bytes
 
+        def _fsdp_param_group_post_backward(self, fsdp_mod, orig_post_backward):
+            # FSDP runs every group's post-backward after backward, also one whose module no
+            # forward ran (a VL model's frozen vision tower); the base class's bookkeeping of
+            # it exists only for modules that ran: such a group just runs its own.
+            tracked = super()._fsdp_param_group_post_backward(fsdp_mod, orig_post_backward)
+
+            def inner(*args, **kwargs):
+                if fsdp_mod in self.memory_tracking:
+                    return tracked(*args, **kwargs)
+                return orig_post_backward(*args, **kwargs)
+
+            return inner
+
         # -- phases ---------------------------------------------------------
         def set_phase(self, name: str) -> None:
             snap = self._cats()

@@ -55,7 +55,75 @@ from .hf_moe import router_aux_loss_share
 from .hf_rope import rope_inv_freq, rope_support, set_rotary
 from .hf_output_head import OutputHead, SPOutputHead, _is_fake, check_output_head
 
-__all__ = ["CausalLMShape", "SPCausalLM", "adapt_causal_lm", "causal_lm_shape", "transformers_class"]
+__all__ = [
+    "CausalLMShape",
+    "SPCausalLM",
+    "adapt_causal_lm",
+    "auto_model_class",
+    "causal_lm_shape",
+    "freeze_vision_modules",
+    "transformers_class",
+    "vision_modules",
+]
+
+
+# ---------------------------------------------------------------------------
+# Which class builds a config's model; the parts a text-only run leaves alone
+# ---------------------------------------------------------------------------
+
+
+def auto_model_class(config):
+    """transformers' auto class that builds ``config``'s model with a language-model head:
+    ``AutoModelForCausalLM``, or for a multimodal config (a text config of its own)
+    that class has no entry for, ``AutoModelForImageTextToText`` (Qwen2.5-VL ->
+    ``Qwen2_5_VLForConditionalGeneration``, the class its checkpoints name). ValueError
+    naming the config class otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kind = type(config)
+    if kind in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    multimodal = config.get_text_config() is not config
+    if multimodal and kind in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    what = "a multimodal config with no image-text-to-text class" if multimodal else "no causal LM class"
+    raise ValueError(f"Unrecognized configuration class {kind.__name__} for AutoModelForCausalLM "
+                     f"(model_type={getattr(config, 'model_type', None)!r}): {what} in this transformers")
+
+
+def vision_modules(model: nn.Module) -> list[nn.Module]:
+    """The top-level modules of a multimodal model outside its text decoder and head
+    (Qwen2.5-VL: ``model.visual``); empty for a text-only model. A text-only run never
+    calls them."""
+    from .hf_families import text_config_key
+
+    if text_config_key(model) is None:
+        return []
+    text = {id(model.get_decoder()), id(model.get_output_embeddings())}
+    out = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) in text:
+                continue
+            if any(id(m) in text for m in child.modules()):
+                walk(child)  # holds the decoder (Qwen2_5_VLModel): look inside
+            else:
+                out.append(child)
+
+    walk(model)
+    return out
+
+
+def freeze_vision_modules(model: nn.Module) -> list[nn.Module]:
+    """``requires_grad_(False)`` on :func:`vision_modules` (returned): they get no
+    gradient from text, so the optimizer keeps no state for them, a checkpoint
+    resumes with the same (empty) optimizer state, and the export writes their
+    weights as loaded."""
+    modules = vision_modules(model)
+    for module in modules:
+        module.requires_grad_(False)
+    return modules
 
 
 # ---------------------------------------------------------------------------
@@ -283,10 +351,11 @@ class SPCausalLM:
 
 
 def _active_params(model: nn.Module, shape: CausalLMShape) -> int:
-    """Non-embedding parameters one token uses: routed experts scaled by top-k / experts."""
+    """Non-embedding parameters one token uses: routed experts scaled by top-k / experts;
+    a vision tower's none (text-only calls)."""
     embed = model.get_input_embeddings().weight
     total = 0.0
-    seen = set()
+    seen = {id(p) for m in vision_modules(model) for p in m.parameters()}
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue

@@ -4,7 +4,8 @@
   Mistral, Qwen2/2.5 and Qwen3 checkpoints it can load; every memory feature
   (``tiled_mlp``, ``offload_*``) and ring attention work with it.
 * ``transformers``: transformers' own model class, built with
-  ``AutoModelForCausalLM.from_config`` on ``meta``, parallelized with
+  ``AutoModelForCausalLM.from_config`` on ``meta`` (a multimodal model's
+  ``AutoModelForImageTextToText`` class: see below), parallelized with
   :func:`~ulysses_dtensor.integrations.hf.parallelize_hf_model` (Ulysses,
   activation checkpointing, compile, FSDP2 / HSDP), materialised, its weights
   read shard by shard (:func:`~ulysses_dtensor.integrations.hf_weights.load_transformers_weights`),
@@ -14,6 +15,15 @@
   ``output_router_logits`` train with their router load-balancing loss.
 * ``auto`` (default): ``native`` when our Llama can load the checkpoint,
   ``transformers`` otherwise; the run's banner says which and why.
+
+A multimodal model (Qwen2.5-VL) trains its text path: the decoder under Ulysses,
+called with text only (2-D global position ids, which its multimodal rope
+repeats on all three sections, as ``get_rope_index`` does for text), its head,
+its embeddings. The vision tower is frozen (no gradient reaches it from text:
+no optimizer state, weights exported as loaded) and sharded as one FSDP group
+of its own that no forward gathers; it keeps its own bidirectional attention
+(never our causal exchange). The data path has no image inputs, and the
+integration refuses any.
 
 Everything that can be checked without a process group is checked by
 :func:`check_transformers_model` (``validate_config`` calls it): the model is
@@ -104,12 +114,13 @@ def transformers_args(cfg):
 
 
 def _meta_model(config, n_layers: int | None = None):
-    from transformers import AutoModelForCausalLM
+    from ..integrations.hf_causal_lm import auto_model_class
 
     if n_layers:
         config = _with_layers(config, n_layers)
+    cls = auto_model_class(config)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return cls.from_config(config, dtype=torch.float32)
 
 
 def _with_layers(config, n_layers: int):
@@ -151,9 +162,6 @@ def check_transformers_model(cfg, dims) -> None:
         model = _meta_model(config)
     except ValueError as e:  # not a causal LM architecture transformers knows
         why = str(e).split("\nModel type should be one of")[0]  # not the list of every class
-        if type(config).__name__ in why and getattr(config, "sub_configs", None):
-            why += (" (a multimodal model: the trainer trains text-only causal LMs; parallelize_hf_model "
-                    "runs its text path in your own loop)")
         raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {why}") from None
     from ..integrations.hf import _check_model
     from ..integrations.hf_attention import check_backend_for_patterns, model_patterns
@@ -192,6 +200,7 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
     conversions = weight_conversions(model)  # of the plain class: FSDP renames it
     ac = cfg.activation_checkpoint
     tr = cfg.training
+    _shard_vision(model, pmesh, _DTYPES[tr.mixed_precision_param], _DTYPES[tr.mixed_precision_reduce])
     parallelize_hf_model(
         model,
         pmesh,
@@ -211,3 +220,16 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
         init_non_persistent_buffers(model)
     mem = cfg.memory
     return adapt_causal_lm(model, pmesh, loss_chunks=(mem.loss_chunks or None) if mem.tiled_loss else 1)
+
+
+def _shard_vision(model, pmesh, param_dtype, reduce_dtype) -> None:
+    """Freeze a multimodal model's vision tower and make it an FSDP group of its own:
+    text-only steps never call it, so it is never gathered (in the root group it
+    would be, every step, whole)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ..integrations.hf_causal_lm import freeze_vision_modules
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module in freeze_vision_modules(model):
+        fully_shard(module, mesh=pmesh.param_mesh, mp_policy=mp)
