@@ -35,6 +35,7 @@ if importlib.util.find_spec("transformers") is None:
     pytest.skip("needs the hf extra (transformers)", allow_module_level=True)
 
 from distributed import run_ranks  # noqa: E402
+from packed_reference import document_spans  # noqa: E402
 
 import test_hf_integration as integration  # noqa: E402
 import test_hf_linear_attention as linear  # noqa: E402
@@ -111,9 +112,7 @@ def reference(model, argv, router: bool, steps: int = STEPS) -> list[dict]:
         batch = loader.batch_for(step)
         total, count, logits_per_doc = 0.0, 0, []
         for ids, pos in zip(batch["input_ids"], batch["position_ids"]):
-            starts = (pos == 0).nonzero().flatten().tolist()
-            starts = ([0] if not starts or starts[0] else []) + starts + [len(pos)]
-            for a, b in zip(starts[:-1], starts[1:]):
+            for a, b in document_spans(pos):
                 out = model(input_ids=ids[None, a:b], output_router_logits=True) if router else model(ids[None, a:b])
                 if router:
                     logits_per_doc.append(out.router_logits)
@@ -209,9 +208,7 @@ def _vl_eval(dump, trained_ref, held_out) -> str:
     with torch.no_grad():
         for _ in range(EVAL_ROWS):
             ids, pos = (torch.from_numpy(a) for a in stream.take(EVAL_LENGTH))
-            starts = (pos == 0).nonzero().flatten().tolist()
-            starts = ([0] if not starts or starts[0] else []) + starts + [len(pos)]
-            for a, b in zip(starts[:-1], starts[1:]):
+            for a, b in document_spans(pos):
                 if b - a > 1:
                     logits = trained_ref(input_ids=ids[None, a:b]).logits[0, :-1]
                     total += F.cross_entropy(logits, ids[a + 1:b], reduction="sum").item()
