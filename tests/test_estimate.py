@@ -218,11 +218,34 @@ def _real_worker(rank, world, names, out_path):
         Path(out_path).write_text(json.dumps(results))
 
 
+def _in_process_gloo_world_of_one(fn, *args) -> None:
+    """``fn(0, 1, *args)`` in this process on a gloo group of one rank.
+
+    Spawning a pool of one costs an interpreter and its imports (seconds on 2
+    cores) for what this process can run itself; the caches that outlive the
+    group (DTensor's sharding decisions, dynamo's) are cleared after it, as
+    the pool does between tasks.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    try:
+        fn(0, 1, *args)
+    finally:
+        dist.destroy_process_group()
+        _clear_sharding_prop_cache()
+        torch._dynamo.reset()
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def real_peaks():
     """Measured peaks of every accuracy case.
 
-    ``gloo``: the real step on gloo ranks (one spawn per world size): the
+    ``gloo``: the real step on gloo ranks (the pooled ranks; a world of one
+    in this process): the
     FSDPMemTracker figure on real tensors, and the allocator's, which on gloo
     can count a few MiB too many (a block the step allocates but a gloo thread
     frees is invisible to the profiler, so it looks alive). ``alloc``: the
@@ -237,7 +260,10 @@ def real_peaks():
         for world in sorted({w for w, _, _ in ACCURACY_CASES.values()}):
             names = [n for n, (w, _, _) in ACCURACY_CASES.items() if w == world]
             path = os.path.join(tmp, f"w{world}.json")
-            run_ranks(world, _real_worker, names, path)
+            if world == 1:
+                _in_process_gloo_world_of_one(_real_worker, names, path)
+            else:
+                run_ranks(world, _real_worker, names, path)
             for name, r in json.loads(Path(path).read_text()).items():
                 out[name]["gloo"] = r
     threads = torch.get_num_threads()
