@@ -49,7 +49,7 @@ def synthetic_batch(step, batch_size, seq_len, vocab, dp_rank):
     return {"input_ids": torch.tensor(ids), "position_ids": torch.tensor(pos)}
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sp", type=int, default=2, help="sequence-parallel degree")
     p.add_argument("--ring", type=int, default=1,
@@ -62,8 +62,11 @@ def main():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ac", default="none", choices=["none", "full", "selective"])
     p.add_argument("--compile", action="store_true")
-    args = p.parse_args()
+    return p.parse_args(argv)
 
+
+def main():
+    args = parse_args()
     # 1. Process group and the 3-D mesh (dp_replicate, dp_shard, sp).
     cuda = torch.cuda.is_available()
     if cuda:

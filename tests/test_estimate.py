@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -218,11 +217,34 @@ def _real_worker(rank, world, names, out_path):
         Path(out_path).write_text(json.dumps(results))
 
 
+def _in_process_gloo_world_of_one(fn, *args) -> None:
+    """``fn(0, 1, *args)`` in this process on a gloo group of one rank.
+
+    Spawning a pool of one costs an interpreter and its imports (seconds on 2
+    cores) for what this process can run itself; the caches that outlive the
+    group (DTensor's sharding decisions, dynamo's) are cleared after it, as
+    the pool does between tasks.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    try:
+        fn(0, 1, *args)
+    finally:
+        dist.destroy_process_group()
+        _clear_sharding_prop_cache()
+        torch._dynamo.reset()
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def real_peaks():
     """Measured peaks of every accuracy case.
 
-    ``gloo``: the real step on gloo ranks (one spawn per world size): the
+    ``gloo``: the real step on gloo ranks (the pooled ranks; a world of one
+    in this process): the
     FSDPMemTracker figure on real tensors, and the allocator's, which on gloo
     can count a few MiB too many (a block the step allocates but a gloo thread
     frees is invisible to the profiler, so it looks alive). ``alloc``: the
@@ -237,7 +259,10 @@ def real_peaks():
         for world in sorted({w for w, _, _ in ACCURACY_CASES.values()}):
             names = [n for n, (w, _, _) in ACCURACY_CASES.items() if w == world]
             path = os.path.join(tmp, f"w{world}.json")
-            run_ranks(world, _real_worker, names, path)
+            if world == 1:
+                _in_process_gloo_world_of_one(_real_worker, names, path)
+            else:
+                run_ranks(world, _real_worker, names, path)
             for name, r in json.loads(Path(path).read_text()).items():
                 out[name]["gloo"] = r
     threads = torch.get_num_threads()
@@ -479,12 +504,24 @@ def test_search_api_agrees_with_plans():
 
 
 def test_max_seq_len_benchmark_smoke_run():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run(
-        [sys.executable, "benchmarks/max_seq_len.py", "--quick"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
+    # Its main() in this process (it plans on a fake process group of its own,
+    # as the other tests here do): a fresh interpreter would cost seconds of imports.
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("max_seq_len_bench", ROOT / "benchmarks" / "max_seq_len.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = bench.main(["--quick"])
+    finally:
+        torch.set_num_threads(threads)
+    r = SimpleNamespace(stdout=out.getvalue(), stderr=err.getvalue())
+    assert code == 0, r.stderr
     recs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(recs) == 2 and all(x["bench"] == "max_seq_len" for x in recs)
     assert {x["features"] for x in recs} == {"baseline", "all"}
