@@ -332,30 +332,44 @@ def _run_case(family, dims, opts, batch, ref_loss, ref_grads, world):
                 grad_rel=grad_rel, counts={"forward": fwd.counts(), "backward": bwd.counts()})
 
 
+def _family_references(family: str, spec, packed, unpacked) -> dict:
+    """The unsharded model's (loss, gradients) on each batch the family's meshes use."""
+    compiled = any(o.get("compile") for o in spec.options)
+    refs = {}
+    for name, batch in (("packed", packed), ("unpacked", unpacked)):
+        if name == "unpacked" and not compiled:
+            continue
+        refs[name] = reference(make_model(family), batch, family)
+    for pattern, overrides in spec.off.items():
+        # Each pattern changes the numbers (by 10x the loss tolerance at least):
+        # a backend dropping it would fail the parity.
+        off = make_model(family, **overrides)
+        if pattern == "sinks":
+            with torch.no_grad():
+                for layer in off.model.layers:
+                    layer.self_attn.sinks.fill_(float("-inf"))  # exp(-inf) = 0: no sink
+        with torch.no_grad():
+            off_loss, _ = reference(off, packed, family, backward=False)
+        on_loss = refs["packed"][0]
+        assert abs(off_loss - on_loss) > 10 * LOSS_RTOL * abs(on_loss), (family, pattern, off_loss, on_loss)
+    return refs
+
+
 def _parity_worker(rank: int, world: int) -> list[dict]:
+    import torch.distributed as dist
+
     packed, unpacked = global_batches()
     results = []
     with registry_restored():
+        # The references are the same on every rank (same seeds, same batches):
+        # each rank computes every world-th family's, then all hold all of them.
+        mine = {family: _family_references(family, spec, packed, unpacked)
+                for i, (family, spec) in enumerate(FAMILIES.items()) if i % world == rank}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        all_refs = {family: refs for part in gathered for family, refs in part.items()}
         for family, spec in FAMILIES.items():
-            compiled = any(o.get("compile") for o in spec.options)
-            refs = {}
-            for name, batch in (("packed", packed), ("unpacked", unpacked)):
-                if name == "unpacked" and not compiled:
-                    continue
-                ref = make_model(family)
-                refs[name] = reference(ref, batch, family)
-            for pattern, overrides in spec.off.items():
-                # Each pattern changes the numbers (by 10x the loss tolerance at least):
-                # a backend dropping it would fail the parity.
-                off = make_model(family, **overrides)
-                if pattern == "sinks":
-                    with torch.no_grad():
-                        for layer in off.model.layers:
-                            layer.self_attn.sinks.fill_(float("-inf"))  # exp(-inf) = 0: no sink
-                with torch.no_grad():
-                    off_loss, _ = reference(off, packed, family, backward=False)
-                on_loss = refs["packed"][0]
-                assert abs(off_loss - on_loss) > 10 * LOSS_RTOL * abs(on_loss), (family, pattern, off_loss, on_loss)
+            refs = all_refs[family]
             for i, dims in enumerate(spec.meshes):
                 opts = spec.options[i] if i < len(spec.options) else {}
                 name = "unpacked" if opts.get("compile") else "packed"
