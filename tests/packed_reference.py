@@ -25,3 +25,19 @@ def packed_documents_loss(model, batch: dict) -> torch.Tensor:
             total = total + F.cross_entropy(logits[:-1].float(), ids[a + 1:b], reduction="sum")
             count += b - a - 1
     return total / count
+
+
+def trainer_adamw(model, cfg, lr: float) -> torch.optim.AdamW:
+    """AdamW with the trainer's settings of ``cfg`` (its optimizer section)."""
+    opt = cfg.optimizer
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(opt.betas), eps=opt.eps,
+                             weight_decay=opt.weight_decay)
+
+
+def builtin_corpus_loader(cfg):
+    """The trainer's global batches over the built-in corpus (byte tokenizer), and its schedule."""
+    from ulysses_dtensor.data import PackedLoader, TokenStream, build_source, build_tokenizer
+
+    stream = TokenStream(build_source("", cfg.data.text_key, cfg.data.max_corpus_mb), build_tokenizer("byte"),
+                         seed=cfg.job.seed, shuffle=cfg.data.shuffle)
+    return PackedLoader(stream), cfg.context_schedule()

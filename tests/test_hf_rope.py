@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from packed_reference import packed_documents_loss
+from packed_reference import builtin_corpus_loader, packed_documents_loss, trainer_adamw
 from transformers_strict import no_transformers_warnings
 
 import test_hf_integration as integration
@@ -217,19 +217,14 @@ def _reference(hf_dir, toml) -> list[dict]:
     is rebuilt from a config carrying the stage's rope (as a user's config.json would)."""
     from transformers import AutoModelForCausalLM
 
-    from ulysses_dtensor.data import PackedLoader, TokenStream, build_source, build_tokenizer
     from ulysses_dtensor.trainer.config import parse_config
 
     cfg = parse_config(toml, _overrides(hf_dir, "unused"))
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
     base = dict(model.config.rope_parameters)
     stage_ropes = [base, {**base, "rope_theta": 1e5}, {"rope_theta": 1e5, **YARN}]
-    opt = cfg.optimizer
-    adamw = torch.optim.AdamW(model.parameters(), lr=LR, betas=tuple(opt.betas), eps=opt.eps,
-                              weight_decay=opt.weight_decay)
-    stream = TokenStream(build_source("", cfg.data.text_key, cfg.data.max_corpus_mb), build_tokenizer("byte"),
-                         seed=cfg.job.seed, shuffle=cfg.data.shuffle)
-    loader, schedule = PackedLoader(stream), cfg.context_schedule()
+    adamw = trainer_adamw(model, cfg, LR)
+    loader, schedule = builtin_corpus_loader(cfg)
     rows = []
     for step in range(1, STEPS + 1):
         config = copy.deepcopy(model.config)

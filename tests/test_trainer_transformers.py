@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from packed_reference import packed_documents_loss
+from packed_reference import builtin_corpus_loader, packed_documents_loss, trainer_adamw
 from ulysses_dtensor.trainer.config import ConfigError, load_config, model_args, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,17 +93,12 @@ def _reference(hf_dir) -> list[dict]:
     token-mean loss of next-token targets inside documents, AdamW, clipping."""
     from transformers import AutoModelForCausalLM
 
-    from ulysses_dtensor.data import PackedLoader, TokenStream, build_source, build_tokenizer
 
     cfg = load_config(_args(hf_dir, "unused"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
-    opt = cfg.optimizer
-    adamw = torch.optim.AdamW(model.parameters(), lr=LR, betas=tuple(opt.betas), eps=opt.eps,
-                              weight_decay=opt.weight_decay)
-    stream = TokenStream(build_source("", cfg.data.text_key, cfg.data.max_corpus_mb), build_tokenizer("byte"),
-                         seed=cfg.job.seed, shuffle=cfg.data.shuffle)
-    loader, schedule = PackedLoader(stream), cfg.context_schedule()
+    adamw = trainer_adamw(model, cfg, LR)
+    loader, schedule = builtin_corpus_loader(cfg)
     rows = []
     for step in range(1, STEPS + 1):
         batch = loader.next_batch(schedule.batch_size(step), schedule.seq_len(step))
