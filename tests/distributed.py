@@ -98,13 +98,15 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
 
 
 # What the server imports before it forks ranks: what most tasks import anyway
-# (about 5 s of CPU per rank together). Each starts no thread (checked with
-# /proc/self/task), so a fork of the server is safe; a missing optional
-# package is skipped. Not torchtitan: its import starts a thread.
+# (about 8 s of CPU per rank together). None leaves a thread running (checked
+# with /proc/self/task), so a fork of the server is safe; a missing optional
+# package is skipped. torchtitan imports pyarrow, whose jemalloc would start a
+# background thread: conftest.py turns that thread off (JE_ARROW_MALLOC_CONF).
 PRELOAD = [
     "torch", "torch.distributed", "ulysses_dtensor.parallelize", "torch._functorch.aot_autograd",
     "torch._inductor.compile_fx", "transformers", "transformers.modeling_utils",
     "ulysses_dtensor.integrations.hf", "ulysses_dtensor.trainer.loop", "matplotlib.pyplot",
+    "torchtitan.train",
 ]
 
 
