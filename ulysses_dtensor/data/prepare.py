@@ -63,23 +63,22 @@ from .store import (
 )
 from .tokenizer import build_tokenizer, token_dtype, tokenizer_identity
 
-__all__ = ["prepare_store", "TextRenderer", "format_summary"]
+__all__ = ["prepare_store", "Renderer", "TextRenderer", "format_summary"]
 
 _BATCH = 256
 _SETTINGS = "settings.json"
 
 
-class TextRenderer:
-    """``record[text_key]`` (or a whole ``.txt`` file) -> ``[BOS] tokens [EOS]``, all trained on."""
+class Renderer:
+    """What every renderer shares: its tokenizer spec, the tokenizer built on first use
+    (in the worker process that renders, not in the parent that pickles it), and
+    ``render_batch`` as one ``render(where, record)`` per item."""
 
-    def __init__(self, tokenizer_spec: str, text_key: str = "text"):
+    name = ""
+
+    def __init__(self, tokenizer_spec: str):
         self.tokenizer_spec = tokenizer_spec
-        self.text_key = text_key
         self._tok = None
-
-    @property
-    def columns(self) -> list[str]:
-        return [self.text_key]
 
     @property
     def tokenizer(self):
@@ -87,8 +86,25 @@ class TextRenderer:
             self._tok = build_tokenizer(self.tokenizer_spec)
         return self._tok
 
+    def render_batch(self, items):
+        return [self.render(where, record) for where, record in items]
+
+
+class TextRenderer(Renderer):
+    """``record[text_key]`` (or a whole ``.txt`` file) -> ``[BOS] tokens [EOS]``, all trained on."""
+
+    name = "text"
+
+    def __init__(self, tokenizer_spec: str, text_key: str = "text"):
+        super().__init__(tokenizer_spec)
+        self.text_key = text_key
+
+    @property
+    def columns(self) -> list[str]:
+        return [self.text_key]
+
     def settings(self) -> dict:
-        return {"renderer": "text", "text_key": self.text_key}
+        return {"renderer": self.name, "text_key": self.text_key}
 
     def render_batch(self, items: list[tuple[str, object]]) -> list[tuple[np.ndarray, None]]:
         texts = [record_text(rec, where, self.text_key) for where, rec in items]

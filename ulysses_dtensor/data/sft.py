@@ -37,9 +37,9 @@ import numpy as np
 
 from .chat import ChatTemplate, find_chat_template
 from .errors import DataError
+from .prepare import Renderer, TextRenderer
 from .readers import data_files, data_suffix, iter_file_records
 from .token_docs import TokenizedSource
-from .tokenizer import build_tokenizer
 
 __all__ = ["FORMATS", "ChatRenderer", "PromptCompletionRenderer", "RenderedDocs", "build_renderer",
            "check_store_format", "long_samples", "open_source"]
@@ -51,28 +51,18 @@ def _keys(record: dict) -> str:
     return ", ".join(map(repr, list(record)[:8])) or "none"
 
 
-class _Renderer:
-    name = ""
+class _Renderer(Renderer):
+    """A renderer that may need the chat template beside the tokenizer."""
 
     def __init__(self, tokenizer_spec: str):
-        self.tokenizer_spec = tokenizer_spec
-        self._tok = None
+        super().__init__(tokenizer_spec)
         self._template: ChatTemplate | None = None
-
-    @property
-    def tokenizer(self):
-        if self._tok is None:
-            self._tok = build_tokenizer(self.tokenizer_spec)
-        return self._tok
 
     @property
     def template(self) -> ChatTemplate:
         if self._template is None:
             self._template = find_chat_template(self.tokenizer_spec)
         return self._template
-
-    def render_batch(self, items):
-        return [self.render(where, record) for where, record in items]
 
     def _messages(self, value, where: str, field: str) -> list[dict]:
         roles = self.template.roles
@@ -169,8 +159,6 @@ class PromptCompletionRenderer(_Renderer):
 def build_renderer(fmt: str, tokenizer_spec: str, text_key: str = "text"):
     """The renderer of ``data.format`` / ``--format`` (DataError without a chat template for chat)."""
     if fmt == "text":
-        from .prepare import TextRenderer
-
         return TextRenderer(tokenizer_spec, text_key)
     if fmt == "chat":
         return ChatRenderer(tokenizer_spec)
