@@ -246,8 +246,7 @@ def open_source(path: str, fmt: str, tokenizer_spec: str, text_key: str = "text"
 
     if path and is_store(path):
         store = TokenStore(path)
-        have = store.manifest.get("renderer", "text")
-        if have != fmt and (have in FORMATS or fmt != "text"):  # a library's own renderer reads as text
+        if store.manifest.get("renderer", "text") in FORMATS or fmt != "text":  # a library's own renderer reads as text
             check_store_format(store, fmt, key)
         return store
     if fmt == "text" or not path:

@@ -413,8 +413,7 @@ def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1
         raise ValueError(f"loss_chunks={loss_chunks!r} must be a positive integer, or None for automatic")
     router = None
     if getattr(model.config.get_text_config(), "output_router_logits", False):
-        router = router_aux_setup(model)
-        router = router[:3] + (pmesh.loss if pmesh is not None else None,)
+        router = (*router_aux_setup(model), pmesh.loss if pmesh is not None else None)
     spec = check_output_head(model, transformers_class(model))
     model.__class__ = _subclass(type(model), SPCausalLM)
     head = model.get_output_embeddings()
@@ -435,12 +434,12 @@ def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1
     return model
 
 
-def router_aux_setup(model: nn.Module) -> tuple:
-    """(router_aux_loss_coef, experts, experts per token, None) of a model with
+def router_aux_setup(model: nn.Module) -> tuple[float, int, int]:
+    """(router_aux_loss_coef, experts, experts per token) of a model with
     ``output_router_logits=True``; ValueError naming the class where it has no router loss."""
     missing = [a for a in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok") if not hasattr(model, a)]
     if missing:
         raise ValueError(
             f"{transformers_class(model).__name__}: config.output_router_logits=True, but the model has no "
             f"{', '.join(missing)}: not a router load-balancing loss this trainer computes; set it to false")
-    return float(model.router_aux_loss_coef), int(model.num_experts), int(model.num_experts_per_tok), None
+    return float(model.router_aux_loss_coef), int(model.num_experts), int(model.num_experts_per_tok)

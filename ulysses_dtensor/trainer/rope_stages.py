@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..integrations.hf_rope import RopeSupport
 from ..models.rope import ROPE_TYPES, RopeConfig, RopeError
 from .config_schema import ConfigError, JobConfig
 
@@ -30,7 +31,7 @@ def rope_args(model):
 
 def model_rope_start(cfg: JobConfig, args) -> tuple[RopeConfig | None, int | None]:
     """(the model's own rope, its max_position_embeddings or None) before any stage."""
-    if hasattr(args, "max_position_embeddings"):  # a transformers model's (its text config's)
+    if isinstance(args, RopeSupport):  # a transformers model's (its text config's)
         return args.rope, args.max_position_embeddings
     max_pos = None
     if cfg.model.hf_path:
@@ -64,7 +65,8 @@ def stage_ropes(
                 raise ConfigError(f"context.schedule[{i}].{key} cannot be applied: {args.reason}; leave the "
                                   "model's own rope (config.json) for every stage")
         return None
-    head_dim = getattr(args, "rope_dim", None) or args.head_dim
+    family_rules = isinstance(args, RopeSupport)  # a transformers family checks its own ropes
+    head_dim = args.rope_dim if family_rules else args.head_dim
     out = []
     for i, st in enumerate(cfg.stages()):
         key = f"context.schedule[{i}]"
@@ -89,10 +91,9 @@ def stage_ropes(
         if rope.rope_type not in rope_types:
             raise ConfigError(
                 f"{where}={rope.rope_type!r} cannot be used by {family}; valid: {', '.join(rope_types)}")
-        check = getattr(args, "check_rope", None)  # a transformers family's own rules
-        if check is not None and st.sets_rope:
+        if family_rules and st.sets_rope:
             try:
-                check(rope)
+                args.check_rope(rope)
             except (RopeError, ValueError) as e:
                 raise ConfigError(f"{where}={rope.rope_type!r} cannot be used by this model: {e}") from None
         out.append(rope)
