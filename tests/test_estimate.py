@@ -25,6 +25,7 @@ from ulysses_dtensor.estimate import GIB, find_max_seq_len, plan_memory
 from ulysses_dtensor.trainer.config import load_config
 
 from distributed import run_ranks
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -507,13 +508,9 @@ def test_search_api_agrees_with_plans():
 def test_max_seq_len_benchmark_smoke_run():
     # Its main() in this process (it plans on a fake process group of its own,
     # as the other tests here do): a fresh interpreter would cost seconds of imports.
-    import contextlib
-    import importlib.util
     import io
 
-    spec = importlib.util.spec_from_file_location("max_seq_len_bench", ROOT / "benchmarks" / "max_seq_len.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script(ROOT / "benchmarks" / "max_seq_len.py")
     out, err = io.StringIO(), io.StringIO()
     threads = torch.get_num_threads()
     try:

@@ -9,7 +9,6 @@ torchrun launch test.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import math
 import os
@@ -18,15 +17,14 @@ import re
 import torch
 
 from distributed import run_ranks
+from script_module import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "scripts", "example_custom_loop.py")
 
 
 def _example_worker(rank: int, world: int, argv: list[str]) -> str:
-    spec = importlib.util.spec_from_file_location("example_custom_loop", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script(EXAMPLE)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         example.train(example.parse_args(argv), torch.device("cpu"))

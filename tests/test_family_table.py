@@ -1,16 +1,15 @@
 """scripts/family_table.py: the README's family table from the parity tests' JSON results."""
 
-import importlib.util
 import json
 from pathlib import Path
+
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_family_table_renders_results_and_rewrites_only_its_block(tmp_path):
-    spec = importlib.util.spec_from_file_location("family_table", ROOT / "scripts" / "family_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = load_script(ROOT / "scripts" / "family_table.py")
     results = tmp_path / "results"
     results.mkdir()
     (results / "a.json").write_text(json.dumps({

@@ -5,10 +5,11 @@ The script itself needs a GPU; on CPU this keeps its command lines from rotting.
 
 from __future__ import annotations
 
-import importlib.util
 import shlex
 import subprocess
 from pathlib import Path
+
+from script_module import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,10 +22,7 @@ def _pieces() -> dict[str, str]:
 
 
 def _parser(script: str):
-    spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.parse_args
+    return load_script(REPO / script).parse_args
 
 
 def test_benchmark_commands_parse():

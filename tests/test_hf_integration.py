@@ -24,7 +24,6 @@ JSON files of that folder into the README table).
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import math
@@ -43,6 +42,7 @@ if importlib.util.find_spec("transformers") is None:
     pytest.skip("needs the hf extra (transformers)", allow_module_level=True)
 
 from distributed import run_ranks  # noqa: E402
+from script_module import load_script  # noqa: E402
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
@@ -507,9 +507,7 @@ EXAMPLE = ROOT / "scripts" / "example_hf_custom_loop.py"
 
 
 def _example_worker(rank: int, world: int, argv: list[str]) -> dict:
-    spec = importlib.util.spec_from_file_location("example_hf_custom_loop", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script(EXAMPLE)
     with registry_restored():
         return example.train(example.parse_args(argv), torch.device("cpu"))
 
