@@ -41,3 +41,14 @@ def builtin_corpus_loader(cfg):
     stream = TokenStream(build_source("", cfg.data.text_key, cfg.data.max_corpus_mb), build_tokenizer("byte"),
                          seed=cfg.job.seed, shuffle=cfg.data.shuffle)
     return PackedLoader(stream), cfg.context_schedule()
+
+
+def reference_step(model, adamw, batch: dict, max_norm: float) -> dict:
+    """One training step as the trainer takes it: the packed-documents loss, backward,
+    gradient clipping, AdamW. Returns the step's loss and gradient norm (before clipping)."""
+    loss = packed_documents_loss(model, batch)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    adamw.step()
+    adamw.zero_grad()
+    return {"loss": loss.item(), "grad_norm": norm.item()}

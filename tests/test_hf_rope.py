@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from packed_reference import builtin_corpus_loader, packed_documents_loss, trainer_adamw
+from packed_reference import builtin_corpus_loader, reference_step, trainer_adamw
 from transformers_strict import no_transformers_warnings
 
 import test_hf_integration as integration
@@ -231,12 +231,7 @@ def _reference(hf_dir, toml) -> list[dict]:
         config.rope_parameters = dict(stage_ropes[schedule.stage_index(step)])
         model.model.rotary_emb = type(model.model.rotary_emb)(config)
         batch = loader.next_batch(schedule.batch_size(step), schedule.seq_len(step))
-        loss = packed_documents_loss(model, batch)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
-        adamw.step()
-        adamw.zero_grad()
-        rows.append({"loss": loss.item(), "grad_norm": norm.item()})
+        rows.append(reference_step(model, adamw, batch, cfg.training.max_norm))
     return rows
 
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from packed_reference import builtin_corpus_loader, packed_documents_loss, trainer_adamw
+from packed_reference import builtin_corpus_loader, reference_step, trainer_adamw
 from ulysses_dtensor.trainer.config import ConfigError, load_config, model_args, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,12 +102,7 @@ def _reference(hf_dir) -> list[dict]:
     rows = []
     for step in range(1, STEPS + 1):
         batch = loader.next_batch(schedule.batch_size(step), schedule.seq_len(step))
-        loss = packed_documents_loss(model, batch)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)
-        adamw.step()
-        adamw.zero_grad()
-        rows.append({"step": step, "loss": loss.item(), "grad_norm": norm.item()})
+        rows.append({"step": step, **reference_step(model, adamw, batch, cfg.training.max_norm)})
     return rows
 
 
