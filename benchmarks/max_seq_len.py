@@ -63,6 +63,22 @@ FEATURES = {
 # ALST (arXiv 2506.13996), Llama-3-8B on H100 80GB, max trainable sequence length.
 ALST = {"llama3_8b": {1: 500_000, 8: 3_700_000, 32: 15_000_000}}
 VOCAB = 128256
+# Transformers models, planned from their config.json alone (model.implementation =
+# "transformers"): the Hub configs of these checkpoints, shipped in benchmarks/model_configs/.
+HF_CONFIGS = ROOT / "benchmarks" / "model_configs"
+HF_MODELS = sorted(p.name for p in HF_CONFIGS.iterdir() if (p / "config.json").is_file()) if HF_CONFIGS.is_dir() else []
+
+
+def heads(model: str) -> tuple[int, int]:
+    """(query heads, kv heads as the exchange places them) of a flavor or a shipped HF config."""
+    if model in FLAVORS:
+        a = FLAVORS[model]
+        return a.n_heads, a.n_kv_heads
+    from ulysses_dtensor.integrations.hf_causal_lm import causal_lm_shape
+    from transformers import AutoConfig
+
+    shape = causal_lm_shape(AutoConfig.from_pretrained(HF_CONFIGS / model))
+    return shape.n_heads, shape.n_kv_heads
 
 
 def layout(flavor: str, gpus: int, ulysses: int = 0) -> tuple[int, int, int]:
@@ -71,24 +87,28 @@ def layout(flavor: str, gpus: int, ulysses: int = 0) -> tuple[int, int, int]:
     Ulysses only (``ulysses=0``): the largest sp the heads allow, ring 1.
     USP (``ulysses=N``): every GPU in sp, Ulysses over N (a node), ring = gpus / N.
     """
-    a = FLAVORS[flavor]
+    n_heads, n_kv = heads(flavor)
     if ulysses:
         if gpus % ulysses:
             raise SystemExit(f"--ulysses {ulysses} must divide the GPU count {gpus}")
         return gpus, 1, gpus // ulysses
     best = 1
     for sp in range(1, gpus + 1):
-        if gpus % sp or a.n_heads % sp:
+        if gpus % sp or n_heads % sp:
             continue
-        if a.n_kv_heads % sp == 0 or sp % a.n_kv_heads == 0:
+        if n_kv % sp == 0 or sp % n_kv == 0:
             best = sp
     return best, gpus // best, 1
 
 
 def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0):
     sp, dp_shard, ring = layout(flavor, gpus, ulysses)
+    if flavor in HF_MODELS:
+        model = ["--model.hf_path", str(HF_CONFIGS / flavor), "--model.implementation", "transformers"]
+    else:
+        model = ["--model.flavor", flavor] + ([] if quick else ["--model.vocab_size", str(VOCAB)])
     argv = [
-        "--model.flavor", flavor,
+        *model,
         "--model.attn_backend", "sdpa",
         "--training.mixed_precision_param", "bfloat16",
         "--training.mixed_precision_reduce", "float32",
@@ -103,8 +123,6 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulys
         # A dim-64 model would get hundreds of automatic tiles: keep the smoke run quick.
         argv += ["--memory.mlp_tiles", "4"] if feats.get("tiled_mlp") else []
         argv += ["--memory.loss_chunks", "4"] if feats.get("tiled_loss") else []
-    else:
-        argv += ["--model.vocab_size", str(VOCAB)]
     for key, value in feats.items():
         argv += [f"--memory.{key}", "true" if value is True else str(value)]
     return load_config(argv), sp, dp_shard, ring
@@ -217,7 +235,8 @@ def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
 
 def table(records: list[dict], ns) -> str:
     rows = [r for r in records if r["bench"] == "max_seq_len"]
-    models = sorted({r["model"] for r in rows}, key=lambda m: list(FLAVORS).index(m))
+    order = list(FLAVORS) + HF_MODELS
+    models = sorted({r["model"] for r in rows}, key=lambda m: order.index(m) if m in order else len(order))
     feats = [f for f in FEATURES if any(r["features"] == f for r in rows)]
     out = [
         f"PLANNED max trainable sequence (tokens; one sequence per dp rank; peak allocated-tensor "
@@ -302,7 +321,8 @@ def plot(records: list[dict], path: str, ns, log) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=["llama3_8b", "llama3_70b"])
+    p.add_argument("--models", nargs="+", default=["llama3_8b", "llama3_70b"],
+                   help=f"this package's flavors, or transformers configs of benchmarks/model_configs: {HF_MODELS}")
     p.add_argument("--gpus", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--features", nargs="+", default=list(FEATURES), choices=list(FEATURES))
     p.add_argument("--budget-gib", type=float, default=80.0)

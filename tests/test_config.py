@@ -275,11 +275,8 @@ EFFECT_CASES = {
     "model.n_kv_heads": ("2", []),
     "model.ffn_dim": ("256", []),
     "model.rope_theta": ("10000", []),
-    # model.implementation chooses what trains model.hf_path's model; memory features of our Llama only.
+    # model.implementation chooses what trains model.hf_path's model.
     "model.implementation": ("transformers", ["--model.hf_path", "hf_model_dir"]),
-    "memory.tiled_mlp": ("true", []),
-    "memory.offload_activations": ("true", ["--activation_checkpoint.mode", "full"]),
-    "memory.offload_params": ("true", []),
 }
 # What turns each off (the defaults already do for the others).
 EFFECT_OFF = {
@@ -294,9 +291,6 @@ EFFECT_OFF = {
     **{f"eval.{k}": ["--eval.tasks", "passkey"] for k in ("loss_rows", "data_path", "holdout_fraction")},
     **{f"model.{k}": ["--model.hf_path", "hf_model_dir"] for k in (
         "flavor", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta")},
-    **{f"memory.{k}": ["--activation_checkpoint.mode", "full", "--model.hf_path", "hf_model_dir",
-                       "--model.implementation", "transformers"]
-       for k in ("tiled_mlp", "offload_activations", "offload_params")},
 }
 
 

@@ -175,6 +175,69 @@ def test_offloaded_checkpoint_matches_plain_and_moves_block_inputs():
     assert offloader.offloaded_bytes == 3 * x0.numel() * 4
 
 
+class GatedBlock(nn.Module):
+    """A block with a tensor keyword argument that needs a gradient (a per-layer
+    input computed from trainable weights) and a side output recorded by a hook
+    (as transformers records MoE router logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = SwiGLU()
+        self.gate = nn.Linear(DIM, 1)
+        self.recorded: list = []
+        self.gate.register_forward_hook(lambda mod, args, out: self.recorded.append(out))
+
+    def forward(self, hidden_states, extra=None):
+        return hidden_states + self.mlp(hidden_states + extra) * torch.sigmoid(self.gate(hidden_states))
+
+
+def _offload_case(frozen_input: bool):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([GatedBlock() for _ in range(3)])
+    embed = nn.Embedding(11, DIM)
+    extra_w = nn.Parameter(torch.randn(DIM))
+    ids = torch.randint(0, 11, (2, 9))
+    embed.requires_grad_(not frozen_input)
+
+    def run(mods):
+        for b in blocks:
+            b.recorded.clear()
+        x = embed(ids)
+        for i, m in enumerate(mods):
+            kw = {"hidden_states": x} if i == 1 else {}  # transformers' keyword spelling too
+            x = m(*(() if kw else (x,)), extra=extra_w * (i + 1), **kw)
+        side = sum(r.square().sum() for b in blocks for r in b.recorded)
+        return x.square().mean() + side
+
+    params = [*blocks.parameters(), extra_w, *embed.parameters()]
+    ref = run(blocks)
+    ref_grads = torch.autograd.grad(ref, [p for p in params if p.requires_grad])
+    offloader = HostOffloader()
+    out = run([OffloadedCheckpointBlock(b, offloader) for b in blocks])
+    assert offloader.held == 3
+    got = torch.autograd.grad(out, [p for p in params if p.requires_grad])
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(got, ref_grads):
+        torch.testing.assert_close(g, r)
+    assert offloader.held == 0  # every host copy was fetched back and dropped
+
+
+@pytest.mark.parametrize("frozen_input", [False, True])
+def test_offload_keeps_gradients_of_keywords_hooks_and_frozen_inputs(frozen_input):
+    """Gradients reach a tensor keyword argument, a hook's side output and the
+    parameters of blocks whose input needs no gradient (a frozen embedding)."""
+    _offload_case(frozen_input)
+
+
+def test_offload_releases_blocks_nothing_differentiates():
+    offloader = HostOffloader()
+    block = OffloadedCheckpointBlock(Block().requires_grad_(False), offloader)
+    x = torch.randn(2, 5, DIM)
+    for _ in range(3):  # steps: a copy no backward will fetch is not kept
+        out = block(x, scale=1.0)
+        assert not out.requires_grad and offloader.held == 0
+
+
 # --- The features inside the Llama, under SP (sp=2) with FSDP2 -----------------
 
 FEATURES = {

@@ -37,6 +37,33 @@ def test_matches_the_plain_formula(small_chunks, dtype, atol):
         torch.testing.assert_close(a, b, atol=atol, rtol=atol, msg=name)
 
 
+def plain_scaled(x, w, offset, eps=EPS):
+    """gpt-oss / OLMo2 (offset 0) and Gemma / Qwen3-Next (offset 1): the weight applied in float32."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (n * (offset + w.to(xf.dtype))).to(x.dtype)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_weight_in_float32_formulas_match(small_chunks, offset, dtype, atol):
+    torch.manual_seed(0)
+    x = torch.randn(3, 20, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(16, dtype=dtype, requires_grad=True)
+    y, ref = rms_norm(x, w, EPS, offset=offset, cast_first=False), plain_scaled(x, w, offset)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, ref, atol=0, rtol=0)  # forward: bitwise
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w), g)
+    want = torch.autograd.grad(ref, (x, w), g)
+    for a, b, name in zip(got, want, ("dx", "dw")):
+        torch.testing.assert_close(a, b, atol=atol, rtol=atol, msg=name)
+    if dtype == torch.float32:
+        x64 = torch.randn(2, 9, 8, dtype=torch.float64, requires_grad=True)
+        w64 = torch.randn(8, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w, EPS, offset=offset, cast_first=False), (x64, w64))
+
+
 def test_gradcheck_float64(small_chunks):
     x = torch.randn(2, 9, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(8, dtype=torch.float64, requires_grad=True)

@@ -121,8 +121,13 @@ def runs(moe_dir, tmp_path_factory):
     resumed = _args(moe_dir, d / "resumed", *_mesh(2, 1, 2), "--activation_checkpoint.mode", "selective",
                     "--memory.tiled_loss", "false", "--training.compile", "true", "--training.compile_backend",
                     "aot_eager")
+    # ALST's memory switches and USP on the transformers path: every switch at once, ring 2 x ulysses 2.
+    memory = _args(moe_dir, d / "memory", *_mesh(1, 1, 4), "--parallelism.ring", "2", "--activation_checkpoint.mode",
+                   "full", "--memory.tiled_mlp", "true", "--memory.mlp_tiles", "3", "--memory.offload_activations",
+                   "true", "--memory.offload_params", "true", "--checkpoint.enable", "false")
     run_ranks(4, _jobs, [(sharded, None),
-                         (resumed, (d / "sharded" / "checkpoint" / "step-2", d / "resumed" / "checkpoint" / "step-2"))])
+                         (resumed, (d / "sharded" / "checkpoint" / "step-2", d / "resumed" / "checkpoint" / "step-2")),
+                         (memory, None)])
     return d, held_out
 
 
@@ -138,7 +143,8 @@ def test_trajectories_equal_transformers_on_every_mesh_and_on_resume(moe_dir, ru
     ref = _reference(moe_dir)
     runs_ = {"1 process": _rows(d / "single" / "metrics.jsonl"),
              "dp_shard 2 x sp 2, full AC, tiled loss, packed q/k/v": _rows(d / "sharded" / "metrics.jsonl"),
-             "resumed at step 2 on HSDP 2 x sp 2, selective AC, compiled": _rows(d / "resumed" / "metrics.jsonl")}
+             "resumed at step 2 on HSDP 2 x sp 2, selective AC, compiled": _rows(d / "resumed" / "metrics.jsonl"),
+             "ring 2 x ulysses 2, tiled MLP, offloaded activations and parameters": _rows(d / "memory" / "metrics.jsonl")}
     worst = worst_norm = 0.0
     for name, rows in runs_.items():
         first = 3 if name.startswith("resumed") else 1
@@ -150,12 +156,18 @@ def test_trajectories_equal_transformers_on_every_mesh_and_on_resume(moe_dir, ru
             assert r["loss"] == pytest.approx(want["loss"], rel=2e-6), (name, r["step"], r["loss"], want["loss"])
             assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=2e-5), (name, r["step"])
             assert r["lr"] == pytest.approx(LR)
-    print(f"worst relative difference to the transformers loop over 3 runs x {STEPS} steps: loss {worst:.2e}, "
+    print(f"worst relative difference to the transformers loop over 4 runs x {STEPS} steps: loss {worst:.2e}, "
           f"gradient norm {worst_norm:.2e}")
     assert [r["seq_len"] for r in runs_["1 process"]] == [32, 32, 64, 64]
     assert ref[-1]["loss"] < ref[0]["loss"]  # it trains
     # MFU needs FLOPs per token: counted (MoE: 2 of 4 experts) and logged.
     assert all(r["mfu"] is None for r in runs_["1 process"])  # CPU without metrics.peak_flops
+    # The memory switches change what is kept, not what is logged: the same fields, the same
+    # FLOPs per token, and the all-to-all share of the eager exchanges (ulysses 2) measured.
+    plain, switched = runs_["dp_shard 2 x sp 2, full AC, tiled loss, packed q/k/v"], runs_[
+        "ring 2 x ulysses 2, tiled MLP, offloaded activations and parameters"]
+    assert [set(r) for r in switched] == [set(r) for r in plain]
+    assert all(r["exchange_ms"] > 0 and 0 < r["exchange_share"] < 1 for r in switched), switched
 
 
 def test_eval_in_the_trainer_equals_eval_of_its_checkpoint(moe_dir, runs):
@@ -276,14 +288,22 @@ def test_implementation_key_choices_and_refusals(moe_dir, tmp_path):
             assert w in str(e.value), (w, str(e.value))
 
     moe = ["--model.hf_path", str(moe_dir)]
-    # keys that exist only for our Llama name both keys; the key needs hf_path
-    refused([*moe, "--memory.tiled_mlp", "true"], "memory.tiled_mlp=true", "model.implementation='auto'",
-            "model.hf_path=", "only in this package's own Llama")
-    refused([*moe, "--memory.offload_params", "true"], "memory.offload_params=true", "model.implementation")
+    # Every memory switch and USP take the transformers model too.
+    switched = cfg(*moe, "--activation_checkpoint.mode", "full", "--memory.tiled_mlp", "true", "--memory.mlp_tiles", "4",
+                   "--memory.offload_activations", "true", "--memory.offload_params", "true", "--parallelism.sp", "4",
+                   "--parallelism.ring", "2")
+    assert validate_config(switched, 4).ring == 2
     with pytest.raises(ConfigError, match=r"model\.implementation='transformers' .*has no effect.*model\.hf_path=''"):
         load_config(["--model.implementation", "transformers"])
     # meshes and models the integration cannot run, named with the class and the value
-    refused([*moe, "--parallelism.sp", "4", "--parallelism.ring", "2"], "parallelism.ring=2", "Ulysses only")
+    windowed = tmp_path / "mistral"
+    make_tiny_hf_model(windowed, "mistral", tokenizer=False, **SHAPE)
+    config = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    refused(["--model.hf_path", str(windowed), "--parallelism.sp", "4", "--parallelism.ring", "2"],
+            "parallelism.ring=2", "MistralForCausalLM", "sliding window (window=16)", "ring=1")
+    refused([*moe, "--memory.offload_activations", "true"], "memory.offload_activations=true",
+            "activation_checkpoint.mode='full'")
     refused([*moe, "--parallelism.sp", "3", "--parallelism.dp_shard", "1", "--context.schedule", "1:96"],
             "Qwen3MoeForCausalLM", "sp=3",
             world=3)
@@ -325,3 +345,26 @@ def test_memory_planner_traces_the_transformers_model(moe_dir):
     assert sharded == pytest.approx(4 * n_params / 4, rel=0.05)
     with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM .*needs training.mixed_precision_param='bfloat16'"):
         plan_memory(load_config(_args(moe_dir, "unused", *_mesh(1, 2, 2))), 4, 64, rows=1, device="cpu")
+
+
+def test_planner_sizes_a_transformers_model_from_its_config_alone(moe_dir, tmp_path):
+    """No weights needed to size a run: config.json alone, every memory switch, USP, and a search."""
+    from ulysses_dtensor.estimate import find_max_seq_len, plan_memory
+
+    bare = tmp_path / "config_only"
+    bare.mkdir()
+    shutil.copy(moe_dir / "config.json", bare / "config.json")
+    base = _args(bare, "unused", *_mesh(1, 1, 4), "--parallelism.ring", "2", "--training.mixed_precision_param",
+                 "bfloat16", "--activation_checkpoint.mode", "full")
+    with pytest.raises(ConfigError, match="safetensors"):  # training does need the weights
+        validate_config(load_config(base), 4)
+    switches = ["--memory.tiled_mlp", "true", "--memory.mlp_tiles", "2", "--memory.offload_activations", "true",
+                "--memory.offload_params", "true"]
+    plain = plan_memory(load_config(base), 4, 128, rows=1, device="cuda", layers="full")
+    switched = plan_memory(load_config(base + switches), 4, 128, rows=1, device="cuda", layers="full")
+    assert switched.features["tiled_mlp"] and switched.features["offload"] and switched.features["offload_params"]
+    # Parameter state and layer inputs moved to the host: less on the device, some on the host.
+    assert switched.peak_bytes < plain.peak_bytes and switched.host_bytes > plain.host_bytes == 0
+    found = find_max_seq_len(load_config(base + switches), 4, budget_gib=switched.peak_gib * 1.5, headroom_gib=0,
+                             granularity=32, rows=1, device="cuda", layers="full", confirm=False)
+    assert found.max_seq_len >= 128 and found.best.peak_bytes <= 1.5 * switched.peak_bytes < found.next_up.peak_bytes

@@ -6,18 +6,25 @@ Llama-3-8B that is 32 layers x 1 GiB (bf16, sp=8). This moves each block
 input to pinned CPU memory on a side stream in forward and brings it back in
 backward, one block ahead of use, so device memory holds O(1) block inputs.
 
-The block is recomputed in backward from the fetched input (a reentrant-style
-checkpoint: the block runs once under no_grad in forward, and again with grad
-in backward). Llama blocks have no dropout, so recomputation is exact.
+The block runs under PyTorch's non-reentrant activation checkpointing, with
+one change: the function checkpointing replays reads the block input from the
+host copy instead of holding the device tensor. Forward is the block's own,
+with grad, so everything it returns -- through its outputs or through hooks
+(transformers records MoE router logits that way) -- is part of the autograd
+graph, every tensor argument that requires grad gets its gradient, and the
+parameters get theirs even when the input itself requires none (a frozen
+embedding below). Recomputation is exact for blocks without dropout.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["HostOffloader", "OffloadedCheckpointBlock"]
 
 
 class HostOffloader:
@@ -35,6 +42,11 @@ class HostOffloader:
         self.offloaded_bytes = 0  # bytes moved out in the current step
         self._stream = None
 
+    @property
+    def held(self) -> int:
+        """Block inputs held on the host now (0 once a step's backward is done)."""
+        return sum(1 for s in self._slots if "host" in s)
+
     def _side_stream(self, device: torch.device):
         if device.type != "cuda":
             return None
@@ -44,11 +56,11 @@ class HostOffloader:
 
     def offload(self, x: Tensor) -> int:
         """Start copying ``x`` to host memory; return a handle."""
-        if self._slots and all(s.get("fetched") for s in self._slots):
+        if self._slots and self.held == 0:
             # The previous step's backward consumed every slot: a new step.
             self._slots.clear()
             self.offloaded_bytes = 0
-        slot: dict = {"device": x.device, "shape": x.shape}
+        slot: dict = {"device": x.device}
         stream = self._side_stream(x.device)
         if self.host_device.type == "meta":
             slot["host"] = x.detach().to("meta")
@@ -70,9 +82,15 @@ class HostOffloader:
         self._slots.append(slot)
         return len(self._slots) - 1
 
+    def release(self, handle: int) -> None:
+        """Drop a host copy that no backward will fetch (nothing in the block needed grad)."""
+        slot = self._slots[handle]
+        slot.pop("host", None)
+        slot.pop("device_copy", None)
+
     def _start_fetch(self, handle: int) -> None:
         slot = self._slots[handle]
-        if "device_copy" in slot:
+        if "device_copy" in slot or "host" not in slot:
             return
         stream = self._side_stream(slot["device"])
         if self.host_device.type == "meta":
@@ -91,6 +109,11 @@ class HostOffloader:
         """Return the block input on its device, and prefetch the previous block's."""
         self._start_fetch(handle)
         slot = self._slots[handle]
+        if "device_copy" not in slot:
+            raise RuntimeError(
+                f"block input {handle} was fetched twice or released: a checkpointed block's "
+                "backward ran twice (retain_graph=True is not supported with offload_activations)"
+            )
         if "ready" in slot:
             torch.cuda.current_stream(slot["device"]).wait_event(slot["ready"])
             slot["device_copy"].record_stream(torch.cuda.current_stream(slot["device"]))
@@ -98,42 +121,61 @@ class HostOffloader:
             self._start_fetch(handle - 1)
         x = slot.pop("device_copy")
         slot.pop("host", None)
-        slot["fetched"] = True
         return x
 
 
-class _OffloadedCheckpoint(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, run: Callable[[Tensor], Tensor], offloader: HostOffloader, x: Tensor) -> Tensor:
-        ctx.run, ctx.offloader = run, offloader
-        ctx.handle = offloader.offload(x)
-        with torch.no_grad():
-            return run(x)
+class _BlockInput:
+    """What the checkpointed function reads as the block input: the tensor itself
+    the first time (forward), the host copy brought back every later time (the
+    recomputation in backward). Holding no reference after forward is what lets
+    the device tensor go."""
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x = ctx.offloader.fetch(ctx.handle).detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = ctx.run(x)
-        torch.autograd.backward(out, grad_out)
-        return None, None, x.grad
+    def __init__(self, x: Tensor, handle: int, offloader: HostOffloader):
+        self._x, self._handle, self._offloader = x, handle, offloader
+        # The recomputation must save what forward saved, which depends on it.
+        self._requires_grad = x.requires_grad
+
+    def get(self) -> Tensor:
+        if self._x is not None:
+            x, self._x = self._x, None
+            return x
+        return self._offloader.fetch(self._handle).detach().requires_grad_(self._requires_grad)
+
+
+def _run_block(block: nn.Module, source: _BlockInput, *args, **kwargs):
+    return block(source.get(), *args, **kwargs)
 
 
 class OffloadedCheckpointBlock(ActivationWrapper):
     """Wrap a block ``forward(x, *args, **kwargs)``: checkpointed, input kept on host.
 
-    Extra arguments (rope tables, document ids) are small and stay on the
-    device; only ``x`` is offloaded. As an ``ActivationWrapper`` (the base of
-    PyTorch's ``checkpoint_wrapper``) it keeps parameter and state-dict names
-    free of the wrapper, so checkpoints load with or without offload.
+    ``x`` is the first positional argument (or the keyword ``hidden_states``,
+    as transformers' decoder layers name it). Other arguments (rope tables,
+    document ids) are small and stay on the device. As an ``ActivationWrapper``
+    (the base of PyTorch's ``checkpoint_wrapper``) it keeps parameter and
+    state-dict names free of the wrapper, so checkpoints load with or without
+    offload.
     """
 
     def __init__(self, block: nn.Module, offloader: HostOffloader):
         super().__init__(block)
         self.offloader = offloader
 
-    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+    def forward(self, *args, **kwargs):
         block = self._checkpoint_wrapped_module
+        if args:
+            x, args = args[0], args[1:]
+        elif "hidden_states" in kwargs:
+            x = kwargs.pop("hidden_states")
+        else:
+            raise TypeError(f"{type(block).__name__}: offload_activations needs the block input as the first "
+                            "positional argument (or hidden_states=)")
         if not torch.is_grad_enabled():
             return block(x, *args, **kwargs)
-        return _OffloadedCheckpoint.apply(lambda h: block(h, *args, **kwargs), self.offloader, x)
+        handle = self.offloader.offload(x)
+        source = _BlockInput(x, handle, self.offloader)
+        del x
+        out = checkpoint(_run_block, block, source, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+        if not any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(out)):
+            self.offloader.release(handle)  # no backward will come for it
+        return out

@@ -48,7 +48,7 @@ from .ring import RingAttention
 from .suggest import unknown_name
 from .ulysses import UlyssesAttention, kv_replication
 
-__all__ = ["AC_MODES", "clip_grad_norm_", "parallelize_llama"]
+__all__ = ["AC_MODES", "check_memory_options", "clip_grad_norm_", "parallelize_llama"]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -119,11 +119,7 @@ def parallelize_llama(
     if compile and isinstance(compile_backend, str):
         _check_compile_backend(compile_backend)
 
-    if offload_activations and ac_mode != "full":
-        raise ValueError(
-            f"offload_activations=True needs ac_mode='full' (it offloads the block inputs that "
-            f"full checkpointing keeps), got ac_mode={ac_mode!r}"
-        )
+    check_memory_options(ac_mode, mlp_tiles, offload_activations, loss_chunks)
 
     dims = pmesh.dims
     ring = getattr(dims, "ring", 1)
@@ -222,10 +218,19 @@ def shard_model(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
 
-def _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks) -> None:
+def check_memory_options(ac_mode: str, mlp_tiles, offload_activations: bool, loss_chunks=None) -> None:
+    """The memory switches' own rules, shared by every model this package parallelizes."""
     for name, value in (("mlp_tiles", mlp_tiles), ("loss_chunks", loss_chunks)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive integer, or None for automatic")
+    if offload_activations and ac_mode != "full":
+        raise ValueError(
+            f"offload_activations=True needs ac_mode='full' (it offloads the block inputs that "
+            f"full checkpointing keeps), got ac_mode={ac_mode!r}"
+        )
+
+
+def _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks) -> None:
     # 1 = untiled; None = tile count from the shapes at run time.
     for block in layers.values():
         block.feed_forward.num_tiles = mlp_tiles if tiled_mlp else 1

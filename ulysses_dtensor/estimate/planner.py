@@ -148,7 +148,7 @@ def plan_memory(
         cfg.training.global_batch_size = rows * dp
     else:
         cfg.training.global_batch_size = batch
-    dims = validate_config(cfg, world_size)
+    dims = validate_config(cfg, world_size, weights=False)
     if rows is None:
         rows = max(1, batch // dims.dp)
     micro = cfg.training.micro_batch_size or rows

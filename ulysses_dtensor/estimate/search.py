@@ -76,7 +76,7 @@ def find_max_seq_len(
     try:
         sp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size).sp
     except ValueError:
-        validate_config(cfg, world_size)  # raises the ConfigError
+        validate_config(cfg, world_size, weights=False)  # raises the ConfigError
         raise
     unit = granularity * sp
     limit = (budget_gib - headroom_gib) * GIB

@@ -87,7 +87,7 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
     from ..trainer.loop import build_model
     from ..trainer.step import build_optimizer, train_step
 
-    dims = validate_config(cfg, world_size)
+    dims = validate_config(cfg, world_size, weights=False)
     vocab = _vocab_size(cfg)
     args = model_args(cfg, vocab)
     if cfg.model.hf_path and cfg.model.n_layers:

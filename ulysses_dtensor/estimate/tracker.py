@@ -188,7 +188,8 @@ _HOST_STATE_CATEGORIES = ("Sharded Param", "Sharded Grad", "OptState")
 _HOST_PHASES = ("clip", "optimizer", "zero_grad")
 
 
-# Module names (components of a parameter FQN) -> kind, innermost first wins.
+# Module names (components of a parameter FQN) -> kind, innermost first wins: our
+# Llama's, then transformers' spellings.
 _MODULE_KINDS = {
     "inner": "a2a",  # the LocalAttention that Ulysses wraps: exchange + packing copies
     "feed_forward": "mlp",
@@ -198,6 +199,19 @@ _MODULE_KINDS = {
     "attention": "attn_proj",
     "output": "logits",
     "tok_embeddings": "embedding",
+    "ulysses": "a2a",  # transformers' attention core under the exchange
+    "mlp": "mlp",
+    "block_sparse_moe": "mlp",
+    "input_layernorm": "norm",
+    "post_attention_layernorm": "norm",
+    "pre_feedforward_layernorm": "norm",
+    "post_feedforward_layernorm": "norm",
+    "q_norm": "norm",
+    "k_norm": "norm",
+    "self_attn": "attn_proj",
+    "linear_attn": "attn_proj",
+    "lm_head": "logits",
+    "embed_tokens": "embedding",
 }
 
 

@@ -28,13 +28,23 @@ from typing import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ..attention import check_backend
 from ..batch import shard_batch
 from ..loss import IGNORE_INDEX
-from ..mesh import ParallelMesh
-from ..parallelize import AC_MODES, _check_compile_backend, _parse_selective_ac, checkpoint_block, shard_model
+from ..mesh import ParallelMesh, ring_degree
+from ..offload import HostOffloader, OffloadedCheckpointBlock
+from ..parallelize import (
+    AC_MODES,
+    _check_compile_backend,
+    _parse_selective_ac,
+    check_memory_options,
+    checkpoint_block,
+    shard_model,
+)
+from ..ring_layout import layout_position_ids
 from ..ulysses import UlyssesAttention, kv_replication
 from .hf_attention import (
     ATTN_IMPLEMENTATION,
@@ -46,6 +56,7 @@ from .hf_attention import (
 )
 from .hf_families import check_known_family, decoder_layers, text_config_key
 from .hf_linear_attention import UlyssesGatedDeltaNet, check_layer_types, has_gated_delta_nets, linear_attention_modules
+from .hf_memory import lean_norms, per_token_blocks, per_token_width, tile_per_token_blocks
 from .hf_moe import install_router_aux_loss
 from .hf_positions import slice_positions, text_positions
 
@@ -53,6 +64,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "DOCUMENT_IDS_KWARG",
     "SEQ_LEN_KWARG",
+    "check_ring_model",
     "parallelize_hf_model",
     "register_ulysses_attention",
     "shard_hf_batch",
@@ -96,6 +108,10 @@ def parallelize_hf_model(
     reshard_after_forward: bool = True,
     attn_backend: str = "auto",
     pack_qkv: bool = False,
+    tiled_mlp: bool = False,
+    mlp_tiles: int | None = None,
+    offload_activations: bool = False,
+    offload_params: bool = False,
     allow_untested: bool = False,
 ) -> nn.Module:
     """Apply Ulysses SP, activation checkpointing, compile and FSDP2 to ``model`` in place.
@@ -118,8 +134,22 @@ def parallelize_hf_model(
             ``"sdpa"``, ``"flash_attn"``, ``"varlen"``, ``"flex"``. Sliding
             windows, soft-capping and sinks pass through to it (``auto`` picks a
             kernel that has them; a named one that has not is refused).
+        tiled_mlp, mlp_tiles: compute each decoder layer's per-token block (its
+            MLP, or its MoE block: router, experts, shared experts) over tiles of
+            the tokens, recomputed per tile in backward (:mod:`.hf_memory`).
+        offload_activations: with ``ac_mode="full"``, keep each decoder layer's
+            input in pinned host memory between forward and backward
+            (``model.offloader`` reports the bytes; :mod:`~ulysses_dtensor.offload`).
+        offload_params: FSDP2 ``CPUOffloadPolicy`` (parameter shards, gradients
+            and optimizer state in host memory; see ``parallelize_llama``).
         allow_untested: run a model whose family is not in
             :data:`~.hf_families.KNOWN_MODEL_TYPES` (refused by default).
+
+    USP (a mesh with ``ring > 1``): the exchange runs over the ulysses ranks and
+    ring attention over the ring ranks, for causal attention with packed
+    documents; models with sliding windows, soft-capping, sinks or linear-attention
+    layers are refused with the reason. Batches come from :func:`shard_hf_batch`
+    with ``pmesh.sp`` (it lays the sequence out for the ring).
 
     Multimodal models (Qwen2.5-VL): the text decoder is parallelized and the
     vision tower left as it is; calls with image or video inputs are refused.
@@ -132,17 +162,15 @@ def parallelize_hf_model(
     :func:`shard_hf_batch`'s inputs; generation (a KV cache) is not supported.
     """
     name = type(model).__name__
-    if getattr(pmesh.dims, "ring", 1) > 1:
-        # shard_hf_batch would lay the sequence out for a ring this path does not run (nor
-        # would a ring honour sliding windows, soft-capping or sinks).
-        raise ValueError(
-            f"{name}: parallelize_hf_model runs Ulysses only: got a mesh with ring={pmesh.dims.ring}; build it "
-            f"with ParallelDims(..., ring=1) (ring attention runs with parallelize_llama)"
-        )
-    layers, attentions, linear = _check_model(model, pmesh.dims.sp, allow_untested)
+    ring = getattr(pmesh.dims, "ring", 1)
+    layers, attentions, linear = _check_model(model, pmesh.dims.ulysses, allow_untested)
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
     every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
+    check_memory_options(ac_mode, mlp_tiles, offload_activations)
+    blocks = per_token_blocks(name, layers) if tiled_mlp else []
+    if ring > 1:
+        check_ring_model(model, attentions, linear, attn_backend, ring)
     # transformers 5 renamed is_gradient_checkpointing (deprecated, warns) to is_activation_checkpointing.
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:
@@ -176,30 +204,41 @@ def parallelize_hf_model(
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         config.use_cache = False  # a KV cache of local slices would be wrong
     for attn in attentions:
-        core = UlyssesCore(attn_backend, name, pmesh.dims.sp)
-        attn.ulysses = parallelize_module(core, pmesh.sp, UlyssesAttention(pack_qkv=pack_qkv))
+        core = UlyssesCore(attn_backend, name, pmesh.dims.ulysses, pmesh.ring)
+        attn.ulysses = parallelize_module(core, pmesh.ulysses, UlyssesAttention(pack_qkv=pack_qkv))
     # Hybrid models: the gated delta-net layers exchange around their convolution + recurrence.
     for net in linear:
         parallelize_module(net, pmesh.sp, UlyssesGatedDeltaNet(name))
+    # The per-token blocks over tiles of the tokens, and RMSNorms that keep only their input for
+    # backward (classes swapped in place: names unchanged).
+    tile_per_token_blocks(blocks, mlp_tiles, per_token_width(model.config.get_text_config()))
+    lean_norms(model)
 
-    # 2-3. Activation checkpointing, then compile around it (in place: names unchanged).
+    # 2-3. Activation checkpointing (or the host-offloaded checkpoint), then compile around
+    # it (in place: names unchanged). Offload wraps the compiled layer: its host copies
+    # and side streams are not traceable, the layer is.
     fullgraph = bool(getattr(model, "_can_compile_fullgraph", False))
+    model.offloader = HostOffloader() if offload_activations else None
     for i, layer in enumerate(layers):
-        layer = checkpoint_block(layer, i, ac_mode, every_k)
+        if model.offloader is None:
+            layer = checkpoint_block(layer, i, ac_mode, every_k)
         if compile:
             layer.compile(backend=compile_backend, fullgraph=fullgraph)
+        if model.offloader is not None:
+            layer = OffloadedCheckpointBlock(layer, model.offloader)
         layers[i] = layer
 
     # 4. FSDP2 / HSDP, one group per decoder layer.
-    _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward)
+    _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward, offload_params)
     # Input checks run first, before FSDP's own pre-forward (all-gathers): bad
     # input fails before any communication.
     call = _CallState()
     model.register_forward_pre_hook(
-        functools.partial(_prepare_inputs, name=name, sp=pmesh.dims.sp, sp_rank=pmesh.sp_rank, call=call),
+        functools.partial(_prepare_inputs, name=name, sp=pmesh.dims.sp, sp_rank=pmesh.sp_rank, ring=ring, call=call),
         with_kwargs=True, prepend=True,
     )
-    install_router_aux_loss(model, pmesh.loss, functools.partial(_valid_tokens, call=call, sp_rank=pmesh.sp_rank))
+    install_router_aux_loss(model, pmesh.loss, functools.partial(_valid_tokens, call=call, sp=pmesh.dims.sp,
+                                                                 sp_rank=pmesh.sp_rank, ring=ring))
     return model
 
 
@@ -211,11 +250,11 @@ class _CallState:
     seq_len: int | None = None
 
 
-def _valid_tokens(batch: int, seq: int, *, call: _CallState, sp_rank: int) -> Tensor | None:
+def _valid_tokens(batch: int, seq: int, *, call: _CallState, sp: int, sp_rank: int, ring: int) -> Tensor | None:
     """(batch * seq,) True for this rank's real tokens, False for padding; None: all real."""
     if call.seq_len is None:
         return None
-    positions = torch.arange(seq) + sp_rank * seq
+    positions = layout_position_ids(seq, sp_rank, sp, ring)  # where this rank's tokens sit in the sequence
     return (positions < call.seq_len).expand(batch, seq).reshape(-1)
 
 
@@ -281,7 +320,29 @@ def _check_model(
     return layers, attentions, linear
 
 
-def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int, call: _CallState):
+def check_ring_model(model: nn.Module, attentions: list[nn.Module], linear: list[nn.Module], backend: str,
+                     ring: int) -> None:
+    """Refuse, naming the model and the reason, what ring attention (``ring > 1``) does not run:
+    its blocks are merged from plain causal kernels (no window, soft-cap or sinks), and a
+    recurrent layer would need its state passed around the ring."""
+    from ..ring import check_ring_backend, refused_pattern
+
+    name = type(model).__name__
+    where = f"{name} with ring={ring}"
+    if linear:
+        raise ValueError(
+            f"{where}: its {type(linear[0]).__name__} layers are recurrent (gated delta-nets); ring attention "
+            "would have to pass their state around the ring, which is not implemented. Use ring=1 (Ulysses "
+            "up to the linear-attention head count)")
+    for feature, value in model_patterns(model.config.get_text_config(), attentions).items():
+        raise ValueError(f"{where}: {refused_pattern(feature, value)}")
+    try:
+        check_ring_backend(backend)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int, ring: int, call: _CallState):
     """Model forward pre-hook: refuse inputs whose meaning SP would change, default
     the position ids to this rank's GLOBAL positions."""
     call.seq_len = kwargs.pop(SEQ_LEN_KWARG, None)
@@ -326,9 +387,11 @@ def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int, c
             f"padded sequence, (batch, local_seq * sp) = ({batch}, {seq * sp})"
         )
     pos = kwargs.get("position_ids")
+    # One document per row: this rank's slots hold these positions (contiguous without a ring).
+    plain = layout_position_ids(seq, sp_rank, sp, ring, ref.device)
     if pos is None:
-        kwargs["position_ids"] = (torch.arange(seq, device=ref.device) + sp_rank * seq).expand(batch, seq)
-    elif docs is None and pos.shape[-1] > 1 and bool((pos[..., 1:] != pos[..., :-1] + 1).any()):
+        kwargs["position_ids"] = plain.expand(batch, seq)
+    elif docs is None and pos.shape[-1] > 1 and bool(((pos - plain) != (pos - plain)[..., :1]).any()):
         raise ValueError(
             f"{name}: position_ids restart inside the sequence (packed documents), but no "
             f"{DOCUMENT_IDS_KWARG} describe the documents of the whole sequence, so attention would "
@@ -337,17 +400,19 @@ def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int, c
     return args, kwargs
 
 
-def _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward) -> None:
+def _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward, offload_params) -> None:
     """FSDP2 / HSDP as for our Llama; inputs are not cast per group (transformers
     casts what it needs itself)."""
+    mesh = pmesh.param_mesh
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload_params else OffloadPolicy()
     embed, out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = out is not None and embed is not None and out.weight is embed.weight
     head = None
     if out is not None and not tied:
         norm = getattr(_layers_parent(model, layers), "norm", None)
         head = [out] if norm is None else [norm, out]
-    shard_model(model, list(layers), pmesh.param_mesh, embed=None if tied else embed, head=head,
-                param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
+    shard_model(model, list(layers), mesh, embed=None if tied else embed, head=head, param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward, offload_policy=policy)
 
 
 def _layers_parent(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
@@ -396,7 +461,8 @@ def shard_hf_batch(
     seq = batch["input_ids"].shape[1]
     if multimodal is not None:
         sp_rank, sp_size = (0, 1) if sp_mesh is None else (sp_mesh.get_local_rank(), sp_mesh.size())
-        inputs["position_ids"] = slice_positions(multimodal, local["input_ids"].shape[1] * sp_size, sp_rank, sp_size)
+        inputs["position_ids"] = slice_positions(multimodal, local["input_ids"].shape[1] * sp_size, sp_rank, sp_size,
+                                                 ring_degree(sp_mesh))
     inputs[SEQ_LEN_KWARG] = seq
     if local["document_ids"] is not None:
         inputs[DOCUMENT_IDS_KWARG] = local["document_ids"]

@@ -25,6 +25,7 @@ attention pattern is refused with the model class named, never dropped.
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import FEATURES, check_backend, local_attention
@@ -86,26 +87,55 @@ def check_backend_for_patterns(name: str, backend: str, patterns: dict) -> None:
 class UlyssesCore(nn.Module):
     """Attention over the full sequence for ``heads/sp`` heads: what runs between
     the two all-to-alls. Parameter-free; ``parallelize_hf_model`` attaches one,
-    parallelized with ``UlyssesAttention`` on the sp mesh, to each attention
+    parallelized with ``UlyssesAttention`` on the ulysses mesh, to each attention
     module as ``.ulysses``. The pattern arrives per call (it differs per layer:
     Gemma3 mixes sliding and full layers); ``sinks`` are the model's per-head
     logits, of which the exchange hands each rank its heads' block.
+
+    With a ring mesh (USP, ``ring > 1``) a rank holds ``S/ring`` tokens of its
+    heads after the exchange, and ring attention runs over the ring ranks
+    (plain causal attention with packed documents: ``parallelize_hf_model``
+    refuses the patterns the ring does not implement before anything runs).
     """
 
-    def __init__(self, backend: str, model_name: str, sp: int):
+    def __init__(self, backend: str, model_name: str, sp: int, ring_mesh=None):
         super().__init__()
         self.backend = check_backend(backend)
         self.model_name = model_name
         self.sp = sp
+        self.ring_mesh = ring_mesh if ring_mesh is not None and ring_mesh.size() > 1 else None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None,
                 scale: float | None = None, window: int | None = None, softcap: float | None = None,
                 sinks: Tensor | None = None) -> Tensor:
+        if self.ring_mesh is not None:
+            return _ring_core(q, k, v, self.ring_mesh, document_ids, scale, window, softcap, sinks)
         return local_attention(q, k, v, backend=self.backend, causal=True, document_ids=document_ids, scale=scale,
                                window=window, softcap=softcap, sinks=sinks)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend!r}, sp={self.sp}"
+        ring = f", ring={self.ring_mesh.size()}" if self.ring_mesh is not None else ""
+        return f"backend={self.backend!r}, sp={self.sp}{ring}"
+
+
+def _ring_core(q, k, v, mesh, document_ids, scale, window, softcap, sinks) -> Tensor:
+    """Ring attention of this rank's block. The ring's kernels take k and v of one
+    head dim: MLA's narrower v is padded with zeros and the output cropped (the
+    scores, hence the softmax, do not see v), a narrower q/k padded with zeros
+    (scores unchanged; the scale is the model's own, passed explicitly)."""
+    from ..ring import refused_pattern, ring_attention
+
+    for name, value in (("window", window), ("softcap", softcap), ("sinks", sinks)):
+        if value is not None:  # parallelize_hf_model refuses these models; a defence in depth
+            raise ValueError(refused_pattern(name, value if name != "sinks" else f"a ({value.shape[0]},) tensor"))
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dv < dk:
+        v = F.pad(v, (0, dk - dv))
+    elif dk < dv:
+        scale = dk ** -0.5 if scale is None else scale
+        q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
+    out = ring_attention(q, k, v, mesh, causal=True, document_ids=document_ids, scale=scale)
+    return out[..., :dv] if dv < dk else out
 
 
 def ulysses_attention_forward(

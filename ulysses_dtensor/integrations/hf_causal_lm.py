@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..ring_layout import layout_position_ids
 from .hf_attention import DOCUMENT_IDS_KWARG
 from .hf_moe import router_aux_loss_share
 from .hf_rope import rope_inv_freq, rope_support, set_rotary
@@ -262,9 +263,9 @@ class SPCausalLM:
 
     def _sp_hidden(self, input_ids, position_ids, document_ids, **kwargs) -> Tensor:
         b, s = input_ids.shape
-        sp, sp_rank = self._sp_degree
+        sp, sp_rank, ring = self._sp_degree
         if position_ids is None:  # this rank's GLOBAL positions
-            position_ids = (torch.arange(s, device=input_ids.device) + sp_rank * s).expand(b, s)
+            position_ids = layout_position_ids(s, sp_rank, sp, ring, input_ids.device).expand(b, s)
         if position_ids.shape[-2:] != input_ids.shape:
             raise ValueError(f"position_ids {tuple(position_ids.shape)} must match input_ids "
                              f"{tuple(input_ids.shape)} (both this rank's slice)")
@@ -422,7 +423,7 @@ def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1
     register_fsdp_forward_method(model, "hidden_states")  # the evaluator's entry point
     model.output = OutputHead(head)
     model.args = causal_lm_shape(model.config, transformers_class(model).__name__)
-    model._sp_degree = (pmesh.dims.sp, pmesh.sp_rank) if pmesh is not None else (1, 0)
+    model._sp_degree = (pmesh.dims.sp, pmesh.sp_rank, pmesh.dims.ring) if pmesh is not None else (1, 0, 1)
     model._active_params = _active_params(model, model.args)
     model._router_aux, model._router_aux_sum, model.aux_loss_weight = router, 0.0, 1.0
     # The rope: the model's own until set_rope; a length-dependent one is driven from

@@ -40,18 +40,28 @@ def router_aux_loss_share(
     """This rank's share of the load-balancing loss of the whole global batch.
 
     router_logits: per layer, (local tokens, num_experts) as transformers returns
-    them (``output_router_logits=True``); valid: (local tokens,) bool, False for
-    padding; mesh: every rank that holds tokens of the batch (``pmesh.loss``; None: one process).
+    them (``output_router_logits=True``), or per layer several consecutive runs
+    of those rows (a tiled MoE block routes tile by tile, in row order); valid:
+    (local tokens,) bool, False for padding; mesh: every rank that holds tokens
+    of the batch (``pmesh.loss``; None: one process).
     """
     device = router_logits[0].device
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probs_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
     weight = None if valid is None else valid.to(device=device, dtype=torch.float32)
-    rows = 0.0
+    rows, offset = 0.0, 0  # offset: where in a layer's rows the next entry starts
     for logits in router_logits:
         probs = torch.softmax(logits, dim=-1).float()
         chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
-        w = torch.ones(probs.shape[0], device=device) if weight is None else weight
+        n = probs.shape[0]
+        if weight is None:
+            w = torch.ones(n, device=device)
+        else:
+            if offset + n > weight.shape[0]:
+                raise ValueError(f"router logits of {n} rows at row {offset} of a layer of {weight.shape[0]} "
+                                 "rows: not the rows of this call")
+            w = weight[offset : offset + n]
+            offset = (offset + n) % weight.shape[0]
         counts = counts.index_add(0, chosen, w.repeat_interleave(top_k))
         probs_sum = probs_sum + (probs * w[:, None]).sum(dim=0)
         rows = rows + w.sum()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..ring_layout import layout_indices
+
 __all__ = ["slice_positions", "text_positions"]
 
 
@@ -32,11 +34,15 @@ def text_positions(position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
     return position_ids[0], position_ids
 
 
-def slice_positions(position_ids: Tensor, padded: int, sp_rank: int, sp_size: int) -> Tensor:
-    """Pad ``(..., B, S)`` ids to ``padded`` (continuing each row) and keep this rank's slice of the last dim."""
+def slice_positions(position_ids: Tensor, padded: int, sp_rank: int, sp_size: int, ring: int = 1) -> Tensor:
+    """Pad ``(..., B, S)`` ids to ``padded`` (continuing each row), lay them out for a
+    ring (``ring > 1``, as ``shard_batch`` does the tokens) and keep this rank's slice
+    of the last dim."""
     extra = padded - position_ids.shape[-1]
     if extra:
         tail = position_ids[..., -1:] + 1 + torch.arange(extra, device=position_ids.device)
         position_ids = torch.cat([position_ids, tail], dim=-1)
+    if ring > 1:
+        position_ids = position_ids[..., layout_indices(padded, ring, position_ids.device)]
     local = padded // sp_size
     return position_ids[..., sp_rank * local : (sp_rank + 1) * local].contiguous()

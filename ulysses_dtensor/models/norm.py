@@ -39,54 +39,81 @@ def _normalized(x: Tensor, rstd: Tensor) -> Tensor:
     return _up(x) * rstd
 
 
+def _scale(weight: Tensor, offset: float) -> Tensor:
+    return _up(weight) + offset if offset else _up(weight)
+
+
+def _apply_weight(n: Tensor, x: Tensor, weight: Tensor, offset: float, cast_first: bool) -> Tensor:
+    """The normalised float32 ``n`` to the output: cast to ``x``'s dtype then times the
+    weight (Llama), or times ``offset + weight`` in float32 then cast (gpt-oss, OLMo2; Gemma
+    with ``offset=1``)."""
+    if cast_first:
+        return n.type_as(x) * weight
+    return (n * _scale(weight, offset)).to(x.dtype)
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, offset: float, cast_first: bool) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         rstd = torch.empty(x2.shape[0], 1, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
         # Allocated in x's shape and filled through a 2-D view: the output must
         # not itself be a view (FSDP hooks and in-place users need a base).
-        out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+        dtype = torch.result_type(x, weight) if cast_first else x.dtype
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
         out2 = out.view(x2.shape)
         for a, b in _chunks(x2.shape[0]):
             xf = _up(x2[a:b])
             r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
             rstd[a:b] = r
-            out2[a:b] = (xf * r).type_as(x) * weight
+            out2[a:b] = _apply_weight(xf * r, x, weight, offset, cast_first)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset, ctx.cast_first = offset, cast_first
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         x, weight, rstd = ctx.saved_tensors
+        offset, cast_first = ctx.offset, ctx.cast_first
         x2 = x.reshape(-1, x.shape[-1])
         g2 = grad_out.reshape(-1, x.shape[-1])
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
         grad_x2 = None if grad_x is None else grad_x.view(x2.shape)
         grad_w = torch.zeros(weight.shape, dtype=rstd.dtype, device=weight.device)
+        scale = None if cast_first else _scale(weight, offset)
         for a, b in _chunks(x2.shape[0]):
             n = _normalized(x2[a:b], rstd[a:b])
             g = g2[a:b]
-            if ctx.needs_input_grad[1]:
-                # y = n.type_as(x) * w: dw = sum over tokens of g * n (in x's dtype).
-                grad_w += _up(g * n.type_as(x)).sum(0)
+            if cast_first:
+                # y = n.type_as(x) * w: dw = sum over tokens of g * n (in x's dtype);
+                # dn = g * w (then upcast, as type_as's backward does).
+                if ctx.needs_input_grad[1]:
+                    grad_w += _up(g * n.type_as(x)).sum(0)
+                dn = _up(g * weight) if grad_x is not None else None
+            else:
+                # y = (n * (offset + w)).to(dtype), all in float32.
+                gf = _up(g)
+                if ctx.needs_input_grad[1]:
+                    grad_w += (gf * n).sum(0)
+                dn = gf * scale if grad_x is not None else None
             if grad_x is not None:
-                # dn = g * w (then upcast, as type_as's backward does);
                 # dx = rstd * (dn - n * mean(dn * n)).
-                dn = _up(g * weight)
                 grad_x2[a:b] = (rstd[a:b] * (dn - n * (dn * n).mean(-1, keepdim=True))).type_as(x)
         grad_w = grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``(x / rms(x)) * weight`` computed in float32, output in ``x``'s dtype times ``weight``'s."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: float = 0.0, cast_first: bool = True) -> Tensor:
+    """``(x / rms(x)) * weight`` computed in float32: by default the normalised tensor
+    is cast to ``x``'s dtype and times ``weight`` (Llama); ``cast_first=False``
+    multiplies by ``offset + weight`` in float32 and casts after (gpt-oss, OLMo2;
+    Gemma with ``offset=1``)."""
     if torch.compiler.is_compiling():
         # Inductor fuses the plain expression, and its partitioner picks what
         # backward keeps; the chunked loop would only fragment the kernels.
         xf = _up(x)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
-    return _RMSNormFunction.apply(x, weight, eps)
+        return _apply_weight(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), x, weight, offset, cast_first)
+    return _RMSNormFunction.apply(x, weight, eps, offset, cast_first)
 
 
 class RMSNorm(nn.Module):

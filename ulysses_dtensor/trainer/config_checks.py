@@ -53,15 +53,6 @@ def _has_retrieval(c: JobConfig) -> bool:
     return any(t != "loss" for t in c.eval.tasks)
 
 
-def _native_model(c: JobConfig) -> bool:
-    from .hf_model import uses_transformers
-
-    try:
-        return not uses_transformers(c)
-    except ConfigError:
-        return True  # an unreadable model.hf_path: validate_config names it
-
-
 EFFECT_RULES: list[EffectRule] = [
     EffectRule("training.seq_len", ("context.schedule",), lambda c: not c.context.schedule,
                "it is the one stage's length when context.schedule is empty"),
@@ -118,11 +109,6 @@ EFFECT_RULES: list[EffectRule] = [
     EffectRule("model.implementation", ("model.hf_path",), lambda c: bool(c.model.hf_path),
                "it chooses what trains the model of model.hf_path (model.flavor is always this "
                "package's Llama)"),
-    *(EffectRule(f"memory.{k}", ("model.implementation", "model.hf_path"), _native_model,
-                 "it exists only in this package's own Llama, and the model of model.hf_path is "
-                 "trained by transformers' implementation (chosen, or picked by 'auto' for a "
-                 "checkpoint the Llama cannot load)")
-      for k in ("tiled_mlp", "mlp_tiles", "offload_activations", "offload_params")),
 ]
 
 
@@ -262,10 +248,12 @@ def _check_eval_values(cfg: JobConfig) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def validate_config(cfg: JobConfig, world_size: int):
+def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
     """Check everything that can be checked before training; return the ParallelDims.
 
     Raises ConfigError. Touches no folder and starts no process group.
+    ``weights=False`` (the memory planner): a transformers model's directory needs
+    its config.json only, not its safetensors.
     """
     from ..mesh import ParallelDims
 
@@ -297,7 +285,7 @@ def validate_config(cfg: JobConfig, world_size: int):
     from .hf_model import check_transformers_model, uses_transformers
 
     if uses_transformers(cfg):  # the model class itself, through the integration's checks
-        check_transformers_model(cfg, dims)
+        check_transformers_model(cfg, dims, weights=weights)
         return dims
     args = model_args(cfg, vocab_size=cfg.model.vocab_size or 256)
     from .rope_stages import stage_ropes

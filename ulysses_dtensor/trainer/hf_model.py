@@ -1,13 +1,13 @@
 """``model.implementation``: which code trains the model of ``model.hf_path``.
 
 * ``native``: this package's Llama (``models/llama.py``), for the Llama 3.x,
-  Mistral, Qwen2/2.5 and Qwen3 checkpoints it can load; every memory feature
-  (``tiled_mlp``, ``offload_*``) and ring attention work with it.
+  Mistral, Qwen2/2.5 and Qwen3 checkpoints it can load.
 * ``transformers``: transformers' own model class, built with
   ``AutoModelForCausalLM.from_config`` on ``meta`` (a multimodal model's
   ``AutoModelForImageTextToText`` class: see below), parallelized with
-  :func:`~ulysses_dtensor.integrations.hf.parallelize_hf_model` (Ulysses,
-  activation checkpointing, compile, FSDP2 / HSDP), materialised, its weights
+  :func:`~ulysses_dtensor.integrations.hf.parallelize_hf_model` (Ulysses or
+  USP, the memory switches, activation checkpointing, compile, FSDP2 / HSDP),
+  materialised, its weights
   read shard by shard (:func:`~ulysses_dtensor.integrations.hf_weights.load_transformers_weights`),
   and given the Llama's call interface (:func:`~ulysses_dtensor.integrations.hf_causal_lm.adapt_causal_lm`).
   Any family the integration runs; context stages change its rope
@@ -134,18 +134,14 @@ def _with_layers(config, n_layers: int):
     return config
 
 
-def check_transformers_model(cfg, dims) -> None:
+def check_transformers_model(cfg, dims, *, weights: bool = True) -> None:
     """Everything about the transformers model checkable before a process group: its
-    config reads, it is a causal LM, it has weights, the integration accepts its
-    structure at this sp degree, and its head is one the trainer computes. One
-    ConfigError naming the model class and the value."""
+    config reads, it is a causal LM, it has weights (``weights=False``: sizing a run
+    needs config.json alone), the integration accepts its structure at this sp and
+    ring degree with the memory switches asked for, and its head is one the trainer
+    computes. One ConfigError naming the model class, the key and the value."""
     from ..models.hf_checkpoint import HFCheckpointError, safetensors_files
 
-    if dims.ring > 1:
-        raise ConfigError(
-            f"parallelism.ring={dims.ring} with {_where(cfg)}: transformers models run Ulysses only "
-            f"(ring attention runs in this package's Llama); set parallelism.ring=1"
-        )
     config = _hf_config(cfg)
     if getattr(config, "quantization_config", None):
         raise ConfigError(f"{_where(cfg)}: quantized weights (quantization_config) are not supported; "
@@ -154,16 +150,18 @@ def check_transformers_model(cfg, dims) -> None:
     if float(getattr(text, "attention_dropout", 0.0) or 0.0):
         raise ConfigError(f"{_where(cfg)}: attention_dropout={text.attention_dropout} is not implemented by "
                           f"Ulysses attention; set it to 0.0 in config.json")
-    try:
-        safetensors_files(cfg.model.hf_path)
-    except HFCheckpointError as e:
-        raise ConfigError(str(e)) from None
+    if weights:
+        try:
+            safetensors_files(cfg.model.hf_path)
+        except HFCheckpointError as e:
+            raise ConfigError(str(e)) from None
     try:
         model = _meta_model(config)
     except ValueError as e:  # not a causal LM architecture transformers knows
         why = str(e).split("\nModel type should be one of")[0]  # not the list of every class
         raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {why}") from None
-    from ..integrations.hf import _check_model
+    from ..integrations.hf import _check_model, check_ring_model
+    from ..integrations.hf_memory import per_token_blocks
     from ..integrations.hf_attention import check_backend_for_patterns, model_patterns
     from ..integrations.hf_causal_lm import router_aux_setup
     from ..integrations.hf_output_head import check_output_head
@@ -171,8 +169,9 @@ def check_transformers_model(cfg, dims) -> None:
     from .rope_stages import stage_ropes
 
     name = type(model).__name__
+    mesh = f"parallelism.sp={dims.sp}" + (f", parallelism.ring={dims.ring}" if dims.ring > 1 else "")
     try:
-        _, attentions, _ = _check_model(model, dims.ulysses)
+        layers, attentions, linear = _check_model(model, dims.ulysses)
         # A backend named in the config that cannot express a layer's pattern
         # (e.g. sinks on flash_attn) fails here, not at the first step.
         check_backend_for_patterns(name, cfg.model.attn_backend, model_patterns(text, attentions))
@@ -180,7 +179,17 @@ def check_transformers_model(cfg, dims) -> None:
         if getattr(text, "output_router_logits", False):
             router_aux_setup(model)  # a router loss the adapter computes, or why not
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{_where(cfg)} with parallelism.sp={dims.sp}: {e}") from None
+        raise ConfigError(f"{_where(cfg)} with {mesh}: {e}") from None
+    try:
+        if dims.ring > 1:
+            check_ring_model(model, attentions, linear, cfg.model.attn_backend, dims.ring)
+    except ValueError as e:
+        raise ConfigError(f"parallelism.ring={dims.ring} with {_where(cfg)}: {e}") from None
+    if cfg.memory.tiled_mlp:
+        try:
+            per_token_blocks(name, layers)
+        except ValueError as e:
+            raise ConfigError(f"{_where(cfg)}: {e}") from None
     # Every stage's rope, in a type and shape this family's rotary module takes (ConfigError
     # naming the stage and key; a family whose rope cannot change says why).
     stage_ropes(cfg, rope_support(model))
@@ -199,8 +208,9 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
     model = _meta_model(_hf_config(cfg), n_layers)
     conversions = weight_conversions(model)  # of the plain class: FSDP renames it
     ac = cfg.activation_checkpoint
-    tr = cfg.training
-    _shard_vision(model, pmesh, _DTYPES[tr.mixed_precision_param], _DTYPES[tr.mixed_precision_reduce])
+    tr, mem = cfg.training, cfg.memory
+    _shard_vision(model, pmesh, _DTYPES[tr.mixed_precision_param], _DTYPES[tr.mixed_precision_reduce],
+                  mem.offload_params)
     parallelize_hf_model(
         model,
         pmesh,
@@ -212,24 +222,29 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
         reduce_dtype=_DTYPES[tr.mixed_precision_reduce],
         attn_backend=cfg.model.attn_backend,
         pack_qkv=tr.pack_qkv,
+        tiled_mlp=mem.tiled_mlp,
+        mlp_tiles=mem.mlp_tiles or None,
+        offload_activations=mem.offload_activations,
+        offload_params=mem.offload_params,
     )
-    model.to_empty(device=device)
+    # Host-offloaded parameter shards live in host memory from the start.
+    model.to_empty(device="cpu" if mem.offload_params else device)
     if init_weights:
         load_transformers_weights(model, cfg.model.hf_path, conversions=conversions)
     else:
         init_non_persistent_buffers(model)
-    mem = cfg.memory
     return adapt_causal_lm(model, pmesh, loss_chunks=(mem.loss_chunks or None) if mem.tiled_loss else 1)
 
 
-def _shard_vision(model, pmesh, param_dtype, reduce_dtype) -> None:
+def _shard_vision(model, pmesh, param_dtype, reduce_dtype, offload_params: bool) -> None:
     """Freeze a multimodal model's vision tower and make it an FSDP group of its own:
     text-only steps never call it, so it is never gathered (in the root group it
-    would be, every step, whole)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    would be, every step, whole). Its shards live where the others do."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from ..integrations.hf_causal_lm import freeze_vision_modules
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy = CPUOffloadPolicy(pin_memory=pmesh.param_mesh.device_type == "cuda") if offload_params else OffloadPolicy()
     for module in freeze_vision_modules(model):
-        fully_shard(module, mesh=pmesh.param_mesh, mp_policy=mp)
+        fully_shard(module, mesh=pmesh.param_mesh, mp_policy=mp, offload_policy=policy)
