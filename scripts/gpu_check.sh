@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Validate on a machine with a GPU what only a GPU can show: the `gpu`-marked
-# tests (attention backends, compile on CUDA, ...), the local attention backends
-# side by side, and the training-step benchmarks recorded in benchmarks/RESULTS.md.
+# tests (attention backends, compile on CUDA, ...), every attention backend x
+# pattern x head dim x dtype and the ring with packed documents against a float64
+# reference (what ran, row by row), the local attention backends side by side, and
+# the training-step benchmarks recorded in benchmarks/RESULTS.md.
 #
 #   bash scripts/gpu_check.sh OUT_DIR                 # every piece, in order
 #   bash scripts/gpu_check.sh OUT_DIR tests attn      # some pieces
@@ -9,7 +11,7 @@
 #
 # Each piece runs under a 10-minute limit (GPU_CHECK_LIMIT_S) and writes its JSON
 # into OUT_DIR (<piece>.jsonl, or gpu_tests.json); OUT_DIR/gpu_check.json sums up
-# every piece (exit status, seconds, file). Uses the active Python (PYTHON to
+# every piece (exit status, seconds, file, rows per status). Uses the active Python (PYTHON to
 # override); run scripts/run_tests.sh once first if it lacks this package.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,6 +23,9 @@ bench_8b="--mode simulate --device cuda --flavor llama3_8b --world 8 --sp 8 --ac
 # name|command (OUT is the output folder). Commands mirror benchmarks/RESULTS.md.
 PIECES=(
   "tests|$py -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml=\$OUT/gpu_tests.xml tests"
+  "matrix|$py scripts/gpu_attention_matrix.py local --backends sdpa varlen flash_attn auto"
+  "matrix_flex|$py scripts/gpu_attention_matrix.py local --backends flex"
+  "ring_documents|$py scripts/gpu_attention_matrix.py ring"
   "smoke|$py benchmarks/bench_train.py --quick --mode simulate --device cuda && $py benchmarks/bench_train.py --quick --mode real --sp 1 --device cuda"
   "attn|for b in sdpa flex varlen flash_attn auto; do $py benchmarks/bench_attention.py --device cuda --sp 1 --seq 8192 32768 131072 --heads 32 --kv-heads 8 --head-dim 128 --backend \$b --deepspeed off --warmup 2 --iters 5; done"
   "train_8b_32k_eager|$py benchmarks/bench_train.py $bench_8b --local-seq 32K --warmup 1 --iters 3"
@@ -75,11 +80,27 @@ EOF
         timeout "$limit" bash -c "$cmd" >"$out" 2>"$OUT/$name.log"; rc=$?
     fi
     secs=$((SECONDS - start))
-    echo "gpu_check: $name exit $rc in ${secs} s -> $out" >&2
+    # JSON-line pieces: how many rows of each status (matrix rows: passed / refused / failed).
+    rows=null
+    [ "$name" = tests ] || rows=$("$py" - "$out" <<'EOF'
+import collections, json, sys
+counts = collections.Counter()
+try:
+    for line in open(sys.argv[1]):
+        try:
+            counts[json.loads(line).get("status", "record")] += 1
+        except (ValueError, AttributeError):
+            counts["not_json"] += 1
+except OSError:
+    pass
+print(json.dumps(dict(counts)))
+EOF
+)
+    echo "gpu_check: $name exit $rc in ${secs} s -> $out $rows" >&2
     [ $first = 1 ] || echo "," >>"$summary.tmp"
     first=0
-    printf '  "%s": {"exit": %d, "seconds": %d, "file": "%s", "timed_out": %s}' \
-        "$name" "$rc" "$secs" "$(basename "$out")" "$([ $rc = 124 ] && echo true || echo false)" >>"$summary.tmp"
+    printf '  "%s": {"exit": %d, "seconds": %d, "file": "%s", "timed_out": %s, "rows": %s}' \
+        "$name" "$rc" "$secs" "$(basename "$out")" "$([ $rc = 124 ] && echo true || echo false)" "$rows" >>"$summary.tmp"
 done
 printf '\n}\n' >>"$summary.tmp"
 mv "$summary.tmp" "$summary"

@@ -16,7 +16,7 @@ import torch
 
 from ulysses_dtensor import attention as A
 from ulysses_dtensor import documents as D
-from ulysses_dtensor.attention import packed as P
+from ulysses_dtensor.attention import select as S
 from ulysses_dtensor.attention import (
     BACKENDS,
     LocalAttention,
@@ -270,13 +270,13 @@ def test_flex_block_mask_cache_tracks_document_ids():
 
 def test_varlen_on_cpu_raises_clear_error():
     q, k, v = make_qkv(1, 16, 2, 2, 8, dtype=torch.bfloat16, requires_grad=False)
-    with pytest.raises(RuntimeError, match=r"'varlen' runs on CUDA only.*device 'cpu'.*'sdpa'"):
+    with pytest.raises(ValueError, match=r"'varlen' runs on CUDA only.*device 'cpu'.*'sdpa'"):
         local_attention(q, k, v, backend="varlen")
 
 
 def test_flash_attn_on_cpu_raises_device_error():
     q, k, v = make_qkv(1, 16, 2, 2, 8, dtype=torch.bfloat16, requires_grad=False)
-    with pytest.raises(RuntimeError, match=r"'flash_attn' runs on CUDA only.*device 'cpu'.*'sdpa'"):
+    with pytest.raises(ValueError, match=r"'flash_attn' runs on CUDA only.*device 'cpu'.*'sdpa'"):
         local_attention(q, k, v, backend="flash_attn", document_ids=torch.zeros(1, 16, dtype=torch.long))
 
 
@@ -419,6 +419,8 @@ def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, ret
                      scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None,
                      block_table=None, num_splits=None):
     assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
+    # torch's flash API (no SDPA dispatcher in front to pad) takes head dims that are multiples of 8.
+    assert query.shape[-1] % 8 == 0, query.shape
     assert enable_gqa or query.shape[1] == key.shape[1]
     causal = tuple(window_size)[1] == 0
     return _per_segment_reference(query, key, value, cu_seq_q, max_q, causal, scale, tuple(window_size))
@@ -450,8 +452,7 @@ def _fake_flash_module():
 
 @pytest.fixture
 def cuda_checks_off(monkeypatch):
-    monkeypatch.setattr(P, "_require_cuda", lambda backend, q: None)
-    monkeypatch.setattr(P, "_require_half", lambda backend, q: None)
+    monkeypatch.setattr(S, "kernel_refusal", lambda backend, device_type, dtype, head_dim: None)
     import torch.nn.attention.varlen as varlen_mod
 
     monkeypatch.setattr(varlen_mod, "varlen_attn", fake_varlen_attn)

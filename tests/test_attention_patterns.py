@@ -175,12 +175,18 @@ def test_packed_backends_patterns_with_fake_kernels(cuda_checks_off, backend, ca
     grads_vs_reference(q, k, v, out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_packed_backends_pad_the_smaller_head_dim(cuda_checks_off):
-    # v wider than q/k: q and k are padded instead, with the scale of the real dim.
-    q, k, v = make_qkv(1, 12, 4, 2, 8, seed=4, dv=16)
+@pytest.mark.parametrize("d,dv", [(8, 16), (12, 12), (12, 20)], ids=["v-wider", "d12", "mla-12-20"])
+def test_packed_backends_pad_head_dims(cuda_checks_off, d, dv):
+    # One head dim for q, k and v, for torch's varlen a multiple of 8 (its fake
+    # asserts it): the narrower tensors and any odd width are zero-padded, with
+    # the scale of the real q/k dim, and the output cropped to v's.
+    q, k, v = make_qkv(1, 12, 4, 2, d, seed=4, dv=dv)
     for backend in ("varlen", "flash_attn"):
         out = local_attention(q, k, v, backend=backend)
-        torch.testing.assert_close(out.double(), reference_attention(q, k, v), atol=1e-5, rtol=1e-5)
+        ref = reference_attention(q, k, v)
+        assert out.shape == (1, 12, 4, dv)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        grads_vs_reference(q, k, v, out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

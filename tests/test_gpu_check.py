@@ -1,4 +1,6 @@
-"""scripts/gpu_check.sh: its benchmark commands parse, and its test piece finds GPU tests.
+"""scripts/gpu_check.sh: its benchmark commands parse, its test piece finds GPU
+tests, and its attention matrix (scripts/gpu_attention_matrix.py) runs and
+records its rows.
 
 The script itself needs a GPU; on CPU this keeps its command lines from rotting.
 """
@@ -9,6 +11,9 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import torch
+
+from distributed import run_ranks
 from script_module import load_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,20 +30,64 @@ def _parser(script: str):
     return load_script(REPO / script).parse_args
 
 
+MATRIX = "scripts/gpu_attention_matrix.py"
+
+
 def test_benchmark_commands_parse():
     pieces = _pieces()
-    assert list(pieces)[:3] == ["tests", "smoke", "attn"] and len(pieces) == 7
+    assert list(pieces)[:6] == ["tests", "matrix", "matrix_flex", "ring_documents", "smoke", "attn"]
+    assert len(pieces) == 10
     parsed = 0
     for name, cmd in pieces.items():
         cmd = cmd.replace("$b", "sdpa")
         for part in cmd.replace("for b in", ";").replace("; do", ";").replace("; done", ";").split("&&"):
             for sub in part.split(";"):
                 words = shlex.split(sub)
-                if len(words) > 1 and words[1].startswith("benchmarks/"):
+                if len(words) > 1 and (words[1].startswith("benchmarks/") or words[1] == MATRIX):
                     args = _parser(words[1])(words[2:])
                     assert args.device == "cuda", (name, sub)
                     parsed += 1
-    assert parsed == 7  # smoke 2, attn 1, train 4
+    assert parsed == 10  # matrix 3, smoke 2, attn 1, train 4
+    # Between them the matrix pieces run every backend on every pattern, head dim and dtype.
+    matrix = load_script(REPO / MATRIX)
+    local = [matrix.parse_args(shlex.split(pieces[p])[2:]) for p in ("matrix", "matrix_flex")]
+    assert sorted(b for a in local for b in a.backends) == sorted(matrix.BACKENDS)
+    assert all(a.patterns == list(matrix.PATTERNS) and a.dtypes == ["float32", "bfloat16"] for a in local)
+    assert {64, 80, 96, 128} < set(matrix.HEAD_DIMS) and any(d % 8 for d in matrix.HEAD_DIMS)
+
+
+def test_attention_matrix_records_what_ran_on_cpu():
+    import io
+    import json
+
+    matrix = load_script(REPO / MATRIX)
+    out = io.StringIO()
+    args = matrix.parse_args(["local", "--device", "cpu", "--backends", "sdpa", "varlen", "--patterns", "documents",
+                              "mla", "--head-dims", "36", "--dtypes", "float32", "--seq", "48"])
+    assert matrix.run_local(args, out)
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(r["backend"], r["pattern"], r["status"]) for r in rows] == [
+        ("sdpa", "documents", "passed"), ("sdpa", "mla", "passed"),
+        ("varlen", "documents", "refused"), ("varlen", "mla", "refused")]
+    assert rows[1]["head_dim"] == 54 and rows[1]["v_head_dim"] == 36 and "CUDA only" in rows[2]["reason"]
+    assert all(r["out_err"] < 1e-5 and r["grad_err"] < 1e-5 for r in rows[:2])
+
+
+def _ring_rows(rank: int, world: int) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    matrix = load_script(REPO / MATRIX)
+    rows = []
+    args = matrix.parse_args(["ring", "--device", "cpu", "--head-dims", "20", "--dtypes", "float32", "--seq", "32"])
+    matrix.ring_rows(rank, init_device_mesh("cpu", (world,), mesh_dim_names=("ring",)), args, torch.device("cpu"),
+                     rows.append)
+    return rows
+
+
+def test_attention_matrix_ring_rows_on_cpu():
+    rows = run_ranks(2, _ring_rows)[0]
+    assert [(r["upstream_grad"], r["status"]) for r in rows] == [("random", "passed"), ("sum", "passed")], rows
+    assert rows[0]["ran"] == {"plain": "cpu_flash", "documents": "cpu_flash"}
 
 
 def test_the_gpu_tests_carry_the_marker_the_script_selects():

@@ -252,23 +252,3 @@ def test_bad_ring_settings_are_clear_errors():
                         "parallelism": {"sp": 16, "ring": 2}})
     dims = validate_config(cfg, 16)
     assert (dims.ring, dims.ulysses) == (2, 8)
-
-
-def test_cuda_kernel_calls_on_meta_tensors():
-    """The CUDA kernels (no GPU here): signatures and shapes, on meta tensors, GQA 4:2."""
-    from ulysses_dtensor import ring_kernels as K
-
-    for dtype in (torch.bfloat16, torch.float32):  # flash / memory-efficient
-        q = torch.empty(2, 4, 64, 16, device="meta", dtype=dtype)
-        k = torch.empty(2, 2, 32, 16, device="meta", dtype=dtype)
-        out, lse, state = K._cuda_forward(q, k, k, False, None)
-        grads = K._cuda_backward(out, q, k, k, out, lse, False, None, state)
-        assert (out.shape, lse.shape) == (q.shape, q.shape[:3])
-        assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
-    q = torch.empty(2, 4, 32, 16, device="meta", dtype=torch.bfloat16)
-    k = torch.empty(2, 2, 32, 16, device="meta", dtype=torch.bfloat16)
-    runs = (torch.tensor([0, 10, 32, 50, 64], dtype=torch.int32, device="meta"), 22)
-    out, lse, state = K._varlen_forward(q, k, k, True, None, runs)
-    grads = K._varlen_backward(out, q, k, k, out, lse, True, None, state)
-    assert (out.shape, lse.shape) == (q.shape, q.shape[:3])
-    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]

@@ -23,8 +23,6 @@ __all__ = [
 ]
 
 
-
-
 def document_ids_from_position_ids(position_ids: Tensor) -> Tensor:
     """(B, S) positions restarting at 0 per document -> (B, S) int64 document ids.
 
@@ -81,9 +79,10 @@ def cu_seqlens_from_document_ids(document_ids: Tensor) -> tuple[Tensor, int]:
 
 # A model calls attention once per layer with the same document_ids tensor; the
 # derived structures (flex block mask, cu_seqlens + max_seqlen, which needs a host
-# sync) are built once and reused. Keyed on the tensor object and its version
-# counter, so an in-place edit or a new batch invalidates the entry. One entry per
-# kind is enough for the layer-after-layer access pattern.
+# sync, the ring's chunk edges) are built once per batch and reused. Keyed on the
+# tensor object and its version counter, so an in-place edit or a new batch
+# invalidates the entry; within a batch one value per ``extra`` key, so layers
+# that alternate patterns (sliding and full: gpt-oss, Gemma3) build each once.
 DOC_CACHE: dict[str, tuple] = {}
 
 
@@ -91,10 +90,10 @@ def cached_for_documents(kind: str, document_ids: Tensor, extra: tuple, build):
     if torch.compiler.is_compiling():
         return build()
     hit = DOC_CACHE.get(kind)
-    if hit is not None:
-        ref, version, key, value = hit
-        if ref() is document_ids and version == document_ids._version and key == extra:
-            return value
-    value = build()
-    DOC_CACHE[kind] = (weakref.ref(document_ids), document_ids._version, extra, value)
-    return value
+    if hit is None or hit[0]() is not document_ids or hit[1] != document_ids._version:
+        hit = (weakref.ref(document_ids), document_ids._version, {})
+        DOC_CACHE[kind] = hit
+    values = hit[2]
+    if extra not in values:
+        values[extra] = build()
+    return values[extra]

@@ -21,9 +21,9 @@ and its dq cover a quarter of a chunk pair.
 Packed documents: every rank holds the global document ids (layout order).
 A pair of different chunks shares at most one document, so it is attention of a
 row slice over a row slice, no mask; a chunk against itself runs over its
-document runs (dense mask on CPU, FlashAttention varlen on CUDA). The edges are
-read to the host once per batch, which is why a ring block cannot be compiled
-with ``fullgraph`` when documents are packed.
+document runs (FlashAttention varlen on CUDA in 16-bit, else a dense mask). The
+edges and runs are read to the host once per batch (not per layer), which is
+why a ring block cannot be compiled with ``fullgraph`` when documents are packed.
 
 Overlap: each step issues the next block's transfer (an asynchronous functional
 ``all_to_all_single`` that only sends to ``rank + 1``) before attending to the
@@ -52,6 +52,7 @@ It does run on gloo and with GQA.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -61,7 +62,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .attention import FEATURES, LocalAttention, local_attention
 from .documents import cached_for_documents
-from .ring_kernels import pair_backward, pair_forward, varlen_runs
+from .ring_kernels import PairKernel, kernel_for, pair_backward, pair_forward
 from .ring_layout import Documents, layout_indices, layout_position_ids, original_segment_ids, seq_multiple
 
 __all__ = [
@@ -100,14 +101,33 @@ def _chunk_pairs(i: int, rank: int, src: int, causal: bool) -> list[tuple[int, i
     return [(0, 0), (1, 0)] if src < rank else [(1, 0), (1, 1)]
 
 
-def _calls(i, rank, src, size, causal, s, docs: Documents | None, device):
-    """The kernel calls of step i: (batch rows, query rows, key rows, causal, mask, varlen, diagonal).
+class _Call(NamedTuple):
+    """One kernel call of a ring step, on slices of this rank's block."""
+
+    rows: slice  # batch rows
+    q_rows: slice
+    k_rows: slice
+    causal: bool
+    kernel: PairKernel
+    mask: Tensor | None  # dense additive mask of a diagonal pair's documents
+    runs: tuple | None  # or its document runs, for varlen
+    diagonal: bool
+
+
+def _pair_kernels(q: Tensor) -> tuple[PairKernel, PairKernel]:
+    """(plain pairs, diagonal pairs of packed documents) kernels for q (B, H, S, D)."""
+    return tuple(kernel_for(q.device.type, q.dtype, q.shape[-1], documents) for documents in (False, True))
+
+
+def _calls(i, rank, src, size, causal, s, docs: Documents | None, kernels) -> list[_Call]:
+    """The kernel calls of step i.
 
     Rows are slices of this rank's block (chunk c is ``[c*s/2, (c+1)*s/2)``).
     Without documents, one call per chunk pair. With documents, a diagonal pair
-    runs over the chunk's document runs (a dense mask on CPU, varlen on CUDA)
+    runs over the chunk's document runs (varlen, or a dense mask: ``kernels``)
     and any other pair over the one document it may share, per batch row.
     """
+    plain, diagonal_kernel = kernels
     half = s // 2
     out = []
     for qc, kc in _chunk_pairs(i, rank, src, causal):
@@ -115,21 +135,30 @@ def _calls(i, rank, src, size, causal, s, docs: Documents | None, device):
         diagonal = i == 0 and qc == kc
         pair_causal = diagonal and causal
         if docs is None:
-            out.append((slice(None), qs, ks, pair_causal, None, None, diagonal))
+            out.append(_Call(slice(None), qs, ks, pair_causal, plain, None, None, diagonal))
             continue
         pq, pk = _position(rank, qc, size), _position(src, kc, size)
         if diagonal:
-            seg = docs.chunk(pq)
-            if device.type == "cuda":
-                out.append((slice(None), qs, ks, pair_causal, None, varlen_runs(seg), True))
+            if diagonal_kernel.name == "varlen":
+                out.append(_Call(slice(None), qs, ks, pair_causal, diagonal_kernel, None, docs.runs(pq), True))
             else:
-                out.append((slice(None), qs, ks, pair_causal, _dense_mask(seg, pair_causal), None, True))
+                mask = _dense_mask(docs.chunk(pq), pair_causal)
+                out.append(_Call(slice(None), qs, ks, pair_causal, diagonal_kernel, mask, None, True))
             continue
         for b, q_rows, k_rows in docs.shared(pq, pk):
             q_abs = slice(qs.start + q_rows.start, qs.start + q_rows.stop)
             k_abs = slice(ks.start + k_rows.start, ks.start + k_rows.stop)
-            out.append((slice(b, b + 1), q_abs, k_abs, False, None, None, False))
+            out.append(_Call(slice(b, b + 1), q_abs, k_abs, False, plain, None, None, False))
     return out
+
+
+def ring_documents(document_ids: Tensor, ring: int) -> Documents:
+    """The batch's :class:`Documents` (layout-order ids in), built once per batch:
+    every layer of a step shares it, with its host-side edges and runs."""
+    return cached_for_documents(
+        "ring_documents", document_ids, (ring,),
+        lambda: Documents(original_segment_ids(document_ids, ring), 2 * ring),
+    )
 
 
 def _halves(sl: slice) -> list[slice]:
@@ -137,7 +166,7 @@ def _halves(sl: slice) -> list[slice]:
     return [sl] if sl.stop - sl.start < 2 else [slice(sl.start, mid), slice(mid, sl.stop)]
 
 
-def _backward_pieces(qs: slice, ks: slice, causal: bool, mask: Tensor | None, varlen):
+def _backward_pieces(call: _Call):
     """One backward call as kernels on halves of its rows and keys: (q rows, k rows, causal, mask).
 
     A backward kernel's workspace scales with its rows and keys (FlashAttention:
@@ -147,7 +176,8 @@ def _backward_pieces(qs: slice, ks: slice, causal: bool, mask: Tensor | None, va
     causal squares and drops the quarter above them. Varlen calls stay whole
     (their sequences are the chunk's documents).
     """
-    if varlen is not None:
+    qs, ks, causal, mask = call.q_rows, call.k_rows, call.causal, call.mask
+    if call.runs is not None:
         return [(qs, ks, causal, mask)]
     pieces = []
     for a, q in enumerate(_halves(qs)):
@@ -222,6 +252,7 @@ class _RingAttentionFn(torch.autograd.Function):
         acc = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
         lse_acc = torch.empty(q.shape[:3], dtype=acc_dtype, device=q.device)
         states = []
+        kernels = _pair_kernels(q)
         # The block that travels: k and v packed in one buffer (one copy of each).
         kv = own = k.new_empty(2 * k.numel())
         k_own, v_own = _split_kv(kv, k.shape)
@@ -232,12 +263,13 @@ class _RingAttentionFn(torch.autograd.Function):
             src = (rank - i) % size
             kb, vb = _split_kv(kv, k.shape)
             step_states = []
-            for rows, qs, ks, pair_causal, mask, varlen, diagonal in _calls(i, rank, src, size, causal, s, docs, q.device):
+            for c in _calls(i, rank, src, size, causal, s, docs, kernels):
+                rows, qs, ks = c.rows, c.q_rows, c.k_rows
                 out_p, lse_p, state = pair_forward(
-                    q[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks], pair_causal,
-                    None if mask is None else mask.to(q.dtype), scale, varlen,
+                    c.kernel, q[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks], c.causal, scale,
+                    None if c.mask is None else c.mask.to(q.dtype), c.runs,
                 )
-                if diagonal:  # every query sees itself here: it starts its row's running output
+                if c.diagonal:  # every query sees itself here: it starts its row's running output
                     acc[rows, :, qs] = out_p
                     lse_acc[rows, :, qs] = lse_p
                 else:
@@ -261,6 +293,7 @@ class _RingAttentionFn(torch.autograd.Function):
         kv_shape, docs = ctx.kv_shape, ctx.docs
         s = q.shape[2]
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
+        kernels = _pair_kernels(q)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dkv = None  # the block's fp32 dk/dv accumulator, passed on with it
         for i in range(size):
@@ -268,13 +301,14 @@ class _RingAttentionFn(torch.autograd.Function):
             src = (rank - i) % size
             kb, vb = _split_kv(kv, kv_shape)
             pending = []  # this step's dk/dv pieces, added once the block's accumulator is here
-            calls = _calls(i, rank, src, size, causal, s, docs, q.device)
-            for (rows, qs_call, ks_call, causal_call, mask_call, varlen, _), state in zip(calls, ctx.states[i]):
-                for qs, ks, pair_causal, mask in _backward_pieces(qs_call, ks_call, causal_call, mask_call, varlen):
+            calls = _calls(i, rank, src, size, causal, s, docs, kernels)
+            for c, state in zip(calls, ctx.states[i]):
+                rows = c.rows
+                for qs, ks, pair_causal, mask in _backward_pieces(c):
                     dq_p, dk_p, dv_p = pair_backward(
-                        dout[rows, :, qs], q[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks], out[rows, :, qs],
-                        lse[rows, :, qs].contiguous(), pair_causal, None if mask is None else mask.to(q.dtype),
-                        scale, state,
+                        c.kernel, dout[rows, :, qs], q[rows, :, qs], kb[rows, :, ks], vb[rows, :, ks],
+                        out[rows, :, qs], lse[rows, :, qs].contiguous(), pair_causal, scale, state,
+                        None if mask is None else mask.to(q.dtype),
                     )
                     dq[rows, :, qs] += dq_p
                     pending.append((rows, ks, dk_p, dv_p))
@@ -332,11 +366,7 @@ def ring_attention(
                 f"ring_attention: document_ids must cover the whole sequence, (B, S) = "
                 f"{(b, s * size)}; got {tuple(document_ids.shape)}"
             )
-        document_ids = document_ids.to(q.device)
-        docs = cached_for_documents(
-            "ring_documents", document_ids, (size,),
-            lambda: Documents(original_segment_ids(document_ids, size), 2 * size),
-        )
+        docs = ring_documents(document_ids.to(q.device), size)
     out = _RingAttentionFn.apply(
         q.transpose(1, 2),
         k.transpose(1, 2),

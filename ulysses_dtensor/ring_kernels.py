@@ -6,92 +6,162 @@ returns ``(out, lse, state)`` and has a backward that takes the FINAL (merged)
 pair. Layout: q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)`` with ``H % Hkv == 0``
 (GQA without repeating kv heads where the kernel allows it); lse ``(B, H, Sq)``.
 
+Which kernel runs a pair is :func:`kernel_for`'s decision, from the device type,
+dtype and head dim alone (so it is tested for CUDA on any machine):
+
 * CPU: SDPA's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``
   and its backward), which takes GQA k/v and a dense additive mask.
 * CUDA, 16-bit, no mask: SDPA's flash kernel (``aten._scaled_dot_product_flash_attention``).
-* CUDA, documents on the diagonal pair: FlashAttention varlen with the LSE
-  (``torch.ops.torch_attn._varlen_attn``, what ``torch.nn.attention.varlen``
+* CUDA, 16-bit, documents on the diagonal pair: FlashAttention varlen with the
+  LSE (``torch.ops.torch_attn._varlen_attn``, what ``torch.nn.attention.varlen``
   runs), one sequence per document run of the chunk: no mask.
-* CUDA otherwise (float32): SDPA's memory-efficient kernel.
+* CUDA otherwise (float32, or a head dim over 256): SDPA's memory-efficient
+  kernel, documents as an additive bias.
+
+torch's flash kernels take head dims that are a multiple of 8 (only SDPA's
+dispatcher pads): q, k, v (and dout, out in backward) are zero-padded up to
+one, with the softmax scale of the real head dim, and the results cropped --
+exact, the padded columns add nothing to the scores and stay zero.
 
 No GPU was lent while this was written: the CUDA calls are checked on meta
-tensors only (tests/test_ring.py), i.e. their signatures and shapes.
+tensors only (tests/test_ring.py), against the kernels' preconditions and the
+schemas of torch 2.11 and of the installed torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .documents import cu_seqlens
+from .attention.select import FLASH_DTYPES, FLASH_MAX_HEAD_DIM, flash_head_dim
+
+__all__ = ["PairKernel", "kernel_for", "pair_backward", "pair_forward"]
 
 _aten = torch.ops.aten
 
 
-def pair_forward(q, k, v, causal: bool, mask: Tensor | None, scale, varlen=None):
+@dataclass(frozen=True)
+class PairKernel:
+    """The kernel that runs a pair, and the head dim it runs at (q, k, v zero-padded up to it)."""
+
+    name: str  # "cpu_flash", "flash", "varlen" or "efficient"
+    head_dim: int
+
+
+def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, documents: bool) -> PairKernel:
+    """The kernel for a pair of tensors of this device type, dtype and head dim.
+
+    ``documents``: the pair is a chunk against itself with packed documents (its
+    document runs need a mask or varlen); every other pair is plain attention.
+    """
+    if device_type != "cuda":
+        return PairKernel("cpu_flash", head_dim)
+    padded = flash_head_dim(head_dim)
+    if dtype in FLASH_DTYPES and padded <= FLASH_MAX_HEAD_DIM:
+        return PairKernel("varlen" if documents else "flash", padded)
+    if dtype in (torch.float32, *FLASH_DTYPES):
+        return PairKernel("efficient", head_dim)
+    raise ValueError(f"ring attention on CUDA runs float16, bfloat16 or float32 tensors; got {dtype}")
+
+
+def pair_forward(kernel: PairKernel, q, k, v, causal: bool, scale, mask: Tensor | None = None, runs=None):
     """-> out (B, H, Sq, D), lse (B, H, Sq) float32 (or float64), state for the backward.
 
-    ``mask``: dense additive (B, 1, Sq, Sk) mask (CPU); ``varlen``: the
-    diagonal pair's document runs, ``(cu_seqlens, max_len)`` (CUDA).
+    ``mask``: dense additive (B, 1, Sq, Sk) mask (``cpu_flash``, ``efficient``);
+    ``runs``: the diagonal pair's document runs, ``(cu_seqlens, max_len)`` (``varlen``).
     """
-    if q.device.type == "cuda":
-        if varlen is not None:
-            return _varlen_forward(q, k, v, causal, scale, varlen)
-        return _cuda_forward(q, k, v, causal, scale)
-    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-    return out, lse, None
+    if kernel.name == "cpu_flash":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        return out, lse, None
+    if kernel.name == "efficient":
+        return _efficient_forward(q, k, v, causal, scale, mask)
+    d = q.shape[-1]
+    scale = d**-0.5 if scale is None else scale  # of the real head dim, not the padded one
+    q, k, v = (_pad(t, kernel.head_dim) for t in (q, k, v))
+    if kernel.name == "varlen":
+        out, lse, state = _varlen_forward(q, k, v, causal, scale, runs)
+    else:
+        out, lse, state = _cuda_forward(q, k, v, causal, scale)
+    return out[..., :d], lse, state
 
 
-def pair_backward(dout, q, k, v, out, lse, causal: bool, mask, scale, state):
+def pair_backward(kernel: PairKernel, dout, q, k, v, out, lse, causal: bool, scale, state, mask=None):
     """-> dq (like q), dk, dv (like k, v), for the pair's rows and keys."""
-    if q.device.type == "cuda":
-        if state[0] == "varlen":
-            return _varlen_backward(dout, q, k, v, out, lse, causal, scale, state)
-        return _cuda_backward(dout, q, k, v, out, lse, causal, scale, state)
-    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
-    )
+    if kernel.name == "cpu_flash":
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    # torch's CUDA kernels want dout's last dim contiguous; a .sum()'s gradient has stride 0.
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    if kernel.name == "efficient":
+        return _efficient_backward(dout, q, k, v, out, lse, causal, scale, state, mask)
+    d = q.shape[-1]
+    scale = d**-0.5 if scale is None else scale
+    dout, q, k, v, out = (_pad(t, kernel.head_dim) for t in (dout, q, k, v, out))
+    backward = _varlen_backward if kernel.name == "varlen" else _cuda_backward
+    return tuple(g[..., :d] for g in backward(dout, q, k, v, out, lse, causal, scale, state))
 
 
-def varlen_runs(seg_chunk: Tensor) -> tuple[Tensor, int]:
-    """(B, C) segment ids of a chunk -> cu_seqlens over the flattened rows and the longest run."""
-    cu = cu_seqlens(seg_chunk)
-    return cu, int((cu[1:] - cu[:-1]).max().item())
+def _pad(t: Tensor, head_dim: int) -> Tensor:
+    return t if t.shape[-1] == head_dim else F.pad(t, (0, head_dim - t.shape[-1]))
 
 
 # ---------------------------------------------------------------------------
-# CUDA
+# CUDA: SDPA's flash and memory-efficient kernels
 # ---------------------------------------------------------------------------
 
 
 def _cuda_forward(q, k, v, causal, scale):
-    if q.dtype in (torch.float16, torch.bfloat16):
-        out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale
-        )
-        return out, lse, ("flash", cum_q, cum_k, seed, offset)
-    # Memory-efficient kernel (any dtype; no GQA: heads repeated).
+    """SDPA's flash kernel: 16-bit, head dim a multiple of 8 up to 256, GQA k/v."""
+    out, lse, cum_q, cum_k, _, _, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return out, lse, ("flash", cum_q, cum_k, seed, offset)
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal, scale, state):
+    _, cum_q, cum_k, seed, offset = state
+    return _aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale,
+    )
+
+
+def _efficient_forward(q, k, v, causal, scale, mask):
+    """Memory-efficient kernel (any of fp16/bf16/fp32, any head dim; no GQA: heads repeated)."""
     kr, vr = _repeat_heads(k, v, q.shape[1])
+    bias = None if mask is None else _aligned_bias(mask, q.shape[1])
     out, lse, seed, offset = _aten._scaled_dot_product_efficient_attention(
-        q, kr, vr, None, True, 0.0, causal, scale=scale
+        q, kr, vr, bias, True, 0.0, causal, scale=scale
     )
     return out, lse[..., : q.shape[2]], ("efficient", seed, offset)
 
 
-def _cuda_backward(dout, q, k, v, out, lse, causal, scale, state):
-    if state[0] == "flash":
-        _, cum_q, cum_k, seed, offset = state
-        return _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
-            scale=scale,
-        )
+def _efficient_backward(dout, q, k, v, out, lse, causal, scale, state, mask):
     _, seed, offset = state
     kr, vr = _repeat_heads(k, v, q.shape[1])
-    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel pads LSE rows to 32
+    bias = None if mask is None else _aligned_bias(mask, q.shape[1])
+    lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel pads LSE rows to 32
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, kr, vr, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
+        dout, q, kr, vr, bias, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
     )
     return dq, *_sum_repeated(dk, dv, k.shape[1])
+
+
+# The memory-efficient kernel reads its bias at 16-element-aligned row strides
+# (SDPA's dispatcher pads the mask so; called directly, we do).
+_BIAS_ALIGNMENT = 16
+
+
+def _aligned_bias(mask: Tensor, heads: int) -> Tensor:
+    """(B, 1, Sq, Sk) additive mask -> the (B, H, Sq, Sk) bias view the kernel takes:
+    rows in a buffer padded to a multiple of 16 columns, heads broadcast (stride 0)."""
+    b, _, sq, sk = mask.shape
+    buf = mask.new_zeros(b, 1, sq, -(-sk // _BIAS_ALIGNMENT) * _BIAS_ALIGNMENT)
+    buf[..., :sk] = mask
+    return buf[..., :sk].expand(b, heads, sq, sk)
 
 
 def _repeat_heads(k, v, heads: int):
@@ -104,6 +174,11 @@ def _sum_repeated(dk, dv, kv_heads: int):
     if h == kv_heads:
         return dk, dv
     return tuple(t.view(b, kv_heads, h // kv_heads, s, d).sum(2) for t in (dk, dv))
+
+
+# ---------------------------------------------------------------------------
+# CUDA: FlashAttention varlen (torch.nn.attention.varlen's ops)
+# ---------------------------------------------------------------------------
 
 
 def _packed(t: Tensor) -> Tensor:
@@ -123,26 +198,31 @@ def _varlen_ops():
     return torch.ops.torch_attn
 
 
-def _varlen_forward(q, k, v, causal, scale, varlen):
-    cu, max_len = varlen
+# The ops' schemas grow between torch versions (2.13 added enable_gqa, seqused_k,
+# block_table, num_splits after window_size; 2.11 stops at window_size), so the
+# calls pass the leading tensors and sizes by position and the rest by the names
+# every version has. No window (is_causal makes the kernel causal); no GQA flag
+# (the flash path takes GQA k/v as they are; only the public wrapper checks).
+
+
+def _varlen_forward(q, k, v, causal, scale, runs):
+    cu, max_len = runs
     b, h, s, d = q.shape
-    window = [-1, 0] if causal else [-1, -1]
     out, lse, rng = _varlen_ops()._varlen_attn(
-        _packed(q), _packed(k), _packed(v), cu, cu, max_len, max_len, causal, scale, window,
-        k.shape[1] != h, None, None, None,
+        _packed(q), _packed(k), _packed(v), cu, cu, max_len, max_len, is_causal=causal, scale=scale
     )
     # out (B*S, H, D), lse (H, B*S) -> the dense layouts the ring merges.
     out = out.view(b, s, h, d).transpose(1, 2)
     lse = lse.view(h, b, s).transpose(0, 1)
-    return out, lse, ("varlen", cu, max_len, rng, window)
+    return out, lse, ("varlen", cu, max_len, rng)
 
 
 def _varlen_backward(dout, q, k, v, out, lse, causal, scale, state):
-    _, cu, max_len, rng, window = state
+    _, cu, max_len, rng = state
     b, h, s, d = q.shape
     dq, dk, dv = _varlen_ops()._varlen_attn_backward(
         _packed(dout), _packed(q), _packed(k), _packed(v), _packed(out),
-        lse.transpose(0, 1).reshape(h, b * s).contiguous(), cu, cu, max_len, max_len, causal, rng, scale, window,
+        lse.transpose(0, 1).reshape(h, b * s).contiguous(), cu, cu, max_len, max_len, causal, rng, scale=scale,
     )
     hk = k.shape[1]
     return (

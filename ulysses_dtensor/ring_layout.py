@@ -9,7 +9,9 @@ slicing, so ring rank r's Ulysses group holds its two chunks, in order.
 
 :class:`Documents` is what the ring needs to know about packed documents: in
 the original order two different chunks share at most one document, found
-at their facing edges, so attention between them is a slice over a slice.
+at their facing edges, so attention between them is a slice over a slice; a
+chunk against itself runs over its document runs. Both are read to the host
+once per batch, never per layer.
 """
 
 from __future__ import annotations
@@ -75,21 +77,32 @@ class Documents:
     between), found at their facing edges: with the key chunk earlier, the
     query chunk's leading run and the key chunk's trailing run. So a pair of
     different chunks is plain attention of a row prefix/suffix over a
-    suffix/prefix: no mask. The edge runs are read to the host once per batch.
+    suffix/prefix: no mask. The edge runs are read to the host once per batch
+    (one ``tolist``), the varlen runs of every chunk at their first use (one
+    ``nonzero`` and one ``tolist``); every layer after reuses them.
     """
 
     def __init__(self, seg: Tensor, chunks: int):
         b, s = seg.shape
         self.seg = seg
+        self.chunks = chunks
         self.c = s // chunks
         x = seg.view(b, chunks, self.c)
         first, last = x[..., 0], x[..., -1]
         lead = (x == first[..., None]).sum(-1)
         trail = (x == last[..., None]).sum(-1)
         self.first, self.last, self.lead, self.trail = torch.stack([first, last, lead, trail]).tolist()
+        self._runs = None
 
     def chunk(self, p: int) -> Tensor:
         return self.seg[:, p * self.c : (p + 1) * self.c]
+
+    def runs(self, p: int) -> tuple[Tensor, int]:
+        """Chunk p's document runs over its flattened rows, as varlen takes them:
+        (int32 cu_seqlens of shape (runs + 1,), the longest run)."""
+        if self._runs is None:
+            self._runs = _chunk_runs(self.seg, self.chunks)
+        return self._runs[p]
 
     def shared(self, pq: int, pk: int) -> list[tuple[int, slice, slice]]:
         """(row, query rows, key rows) that attend between two different chunks."""
@@ -100,3 +113,23 @@ class Documents:
             elif pk > pq and self.last[b][pq] == self.first[b][pk]:
                 out.append((b, slice(self.c - self.trail[b][pq], self.c), slice(0, self.lead[b][pk])))
         return out
+
+
+def _chunk_runs(seg: Tensor, chunks: int) -> list[tuple[Tensor, int]]:
+    """Every chunk's (cu_seqlens, longest run) at once: two host syncs in all."""
+    b, s = seg.shape
+    n = b * (s // chunks)  # tokens of one chunk over all rows
+    x = seg.view(b, chunks, -1).transpose(0, 1)  # (chunks, B, C)
+    starts = torch.ones(x.shape, dtype=torch.bool, device=seg.device)
+    starts[..., 1:] = x[..., 1:] != x[..., :-1]  # a row's first token starts a run
+    chunk_of, pos = starts.reshape(chunks, n).nonzero().unbind(1)  # sorted by chunk, then position
+    # A run ends where the next one starts, or at the end of its chunk.
+    end = torch.full_like(pos, n)
+    same_chunk = chunk_of[1:] == chunk_of[:-1]
+    end[:-1] = torch.where(same_chunk, pos[1:], n)
+    longest = torch.zeros(chunks, dtype=pos.dtype, device=seg.device).scatter_reduce_(0, chunk_of, end - pos, "amax")
+    counts, longest = torch.stack([starts.reshape(chunks, n).sum(1), longest]).tolist()
+    tail = torch.tensor([n], dtype=pos.dtype, device=seg.device)
+    return [
+        (torch.cat([p, tail]).to(torch.int32), m) for p, m in zip(torch.split(pos, counts), longest)
+    ]

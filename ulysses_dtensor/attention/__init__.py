@@ -19,25 +19,27 @@ Backends (modules of this package):
 * ``auto``       the default: :func:`default_backend` for the tensors' device and
                  dtype (``sdpa`` on CPU; on CUDA in 16-bit ``flash_attn`` if
                  installed, else ``varlen``, else ``sdpa``), moved on to ``flex``
-                 (CUDA) / ``sdpa`` when that kernel cannot express the pattern.
+                 (CUDA) / ``sdpa`` when that kernel cannot express the pattern,
+                 and to ``sdpa`` when it cannot take the tensors (a head dim
+                 over 256).
 * ``sdpa``       torch SDPA (:mod:`.dense`); CPU and CUDA, forward and backward.
                  Documents and windows use a dense (B, 1, S, S) boolean mask;
                  soft-capping and sinks an explicit-scores path.
 * ``flex``       FlexAttention (:mod:`.flex`): block mask, score_mod, sinks via
                  its log-sum-exp; compiled on CUDA, forward only on CPU.
 * ``varlen``     ``torch.nn.attention.varlen.varlen_attn`` (:mod:`.packed`);
-                 CUDA only; windows; no soft-capping or sinks.
-* ``flash_attn`` the flash-attn package, imported lazily (:mod:`.packed`); CUDA
-                 only; windows and soft-capping; no sinks.
+                 CUDA, 16-bit, head dims up to 256; windows; no soft-capping or
+                 sinks.
+* ``flash_attn`` the flash-attn package, imported lazily (:mod:`.packed`); CUDA,
+                 16-bit, head dims up to 256; windows and soft-capping; no sinks.
 
 Pattern semantics: :mod:`.pattern`. Feature support per backend:
-:data:`.select.SUPPORTS`.
+:data:`.select.SUPPORTS`; the tensors each kernel takes: :func:`.select.kernel_refusal`.
 """
 
 from ..documents import cu_seqlens_from_document_ids, document_ids_from_position_ids
 from .dense import _repeat_kv
 from .local import LocalAttention, local_attention
-from .packed import _require_cuda, _require_half
 from .select import BACKENDS, FEATURES, _has_varlen, _import_flash_attn, check_backend, default_backend
 
 __all__ = [

@@ -5,11 +5,18 @@ is a ``score_mod``; sinks rescale the output by ``sigmoid(lse - sink)`` with
 the log-sum-exp FlexAttention returns, which is differentiable, so the
 gradients of q, k and the sink logits are exact. Compiled on CUDA; on CPU
 torch has a forward only.
+
+Compiled flex that runs out of recompiles would silently run eagerly, i.e.
+unfused, materialising S x S scores: it is compiled with ``fullgraph=True``
+(hitting the limit is then an error, raised here with the knob to turn) and a
+recompile limit of its own, :data:`FLEX_RECOMPILE_LIMIT`, since every context
+length, pattern and grad mode is a graph of its own.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 
 import torch
@@ -21,14 +28,54 @@ from .pattern import Pattern
 __all__ = ["flex_attention_backend"]
 
 
-@functools.cache
-def _compiled_flex():
+# Distinct graphs a run may need: context-length stages x mask patterns (a
+# model alternating sliding and full layers has two) x score_mods x grad mode
+# (training, evaluation). torch's default of 8 is soon spent.
+FLEX_RECOMPILE_LIMIT = 64
+
+
+def _compile(fn, **kwargs):
+    """torch.compile with :data:`FLEX_RECOMPILE_LIMIT` for ``fn``."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        kwargs["recompile_limit"] = FLEX_RECOMPILE_LIMIT
+    else:  # no per-function limit in this torch: raise the process-wide one (never lower it)
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    return torch.compile(fn, **kwargs)
+
+
+def _compile_flex(backend: str = "inductor"):
     # FlexAttention only becomes a fused kernel under torch.compile; eager flex
     # materialises the full score matrix. Shapes change rarely (context-length
     # stages), so static shapes are fine and avoid dynamic-shape recompiles.
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return _compile(flex_attention, backend=backend, dynamic=False, fullgraph=True)
+
+
+@functools.cache
+def _compiled_flex():
+    return _compile_flex()
+
+
+# What hitting the limit under fullgraph=True raises (its older name as a fallback).
+_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or getattr(
+    torch._dynamo.exc, "FailOnCacheLimitHit", RuntimeError
+)
+
+
+def _run_compiled(flex, *args, **kwargs):
+    if torch.compiler.is_compiling():  # traced into the caller's graph, under its limits
+        return flex(*args, **kwargs)
+    try:
+        return flex(*args, **kwargs)
+    except _LIMIT_HIT as e:
+        raise RuntimeError(
+            "compiled FlexAttention hit torch.compile's recompile limit (one graph per context length, "
+            "mask pattern, score_mod and grad mode): running on would fall back to unfused attention "
+            "that materialises S x S scores. Raise ulysses_dtensor.attention.flex.FLEX_RECOMPILE_LIMIT "
+            "before the first call, or use fewer distinct shapes; TORCH_LOGS=recompiles names the reasons"
+        ) from e
 
 
 def _mask_mod(seg, causal: bool, window: int | None):
@@ -53,16 +100,24 @@ def _softcap_mod(softcap: float):
     return score_mod
 
 
+@functools.cache
+def _compiled_create_block_mask():
+    # One compiled builder for the process (create_block_mask(_compile=True) is
+    # deprecated and wraps a new torch.compile per call). Eagerly, building a
+    # block mask materialises an S x S mask; compiled it is computed block-wise.
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return _compile(create_block_mask)
+
+
 def _build_block_mask(seg, pattern: Pattern, b, s, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    kwargs = {}
+    build = create_block_mask
     if device.type == "cuda" and not torch.compiler.is_compiling():
-        # Building the block mask eagerly materialises an S x S mask; compiled it
-        # is computed block-wise.
-        kwargs["_compile"] = True
+        build = _compiled_create_block_mask()
     mod = _mask_mod(seg, pattern.causal, pattern.window)
-    return create_block_mask(mod, None if seg is None else b, None, s, s, device=device, **kwargs)
+    return build(mod, None if seg is None else b, None, s, s, device=device)
 
 
 @functools.lru_cache(maxsize=16)
@@ -121,7 +176,7 @@ def flex_attention_backend(q, k, v, pattern: Pattern, seg, scale, document_ids, 
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
             out = flex_attention(*args, **kwargs)
     else:
-        out = _compiled_flex()(*args, **kwargs)
+        out = _run_compiled(_compiled_flex(), *args, **kwargs)
     if sinks is not None:
         out, aux = out
         # (B, H, S) lse; the sink joins each query's denominator.

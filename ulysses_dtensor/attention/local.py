@@ -68,13 +68,14 @@ def local_attention(
     sinks: (Hq,) logits, one per query head, added to the softmax denominator only.
 
     Returns (B, S, Hq, Dv) in q's dtype. See :mod:`.pattern` for the exact math;
-    a backend whose kernel cannot express a feature is refused by name (``auto``
-    picks one that can).
+    a backend whose kernel cannot express a feature or take the tensors (device,
+    dtype, head dim) is refused by name (``auto`` picks one that can).
     """
     check_backend(backend)
     _check_shapes(q, k, v, document_ids)
     pattern = check_pattern(causal, window, softcap, sinks, q.shape[2])
-    backend = resolve_backend(backend, pattern.features(), q.device, q.dtype)
+    # The packed kernels run q, k and v at one head dim, the larger of q/k's and v's.
+    backend = resolve_backend(backend, pattern.features(), q.device, q.dtype, max(q.shape[3], v.shape[3]))
     seg = None
     if document_ids is not None:
         if document_ids.device != q.device:

@@ -1,13 +1,15 @@
 """The FlashAttention backends on packed sequences: torch's ``varlen`` and the
-flash-attn package's ``flash_attn``. CUDA and 16-bit only.
+flash-attn package's ``flash_attn``. CUDA and 16-bit only (refused otherwise
+by :func:`~.select.resolve_backend` before they run).
 
 Documents become ``cu_seqlens`` over the flattened batch, so masked blocks are
 skipped rather than computed. A sliding window of W keys is the kernels'
 ``window_size=(W - 1, 0)`` (left, right; the query itself counted in W, as in
 transformers' flash path); flash-attn also takes ``softcap``. The kernels want
-one head dim for q, k and v: a different value head dim (MLA) is zero-padded
-to the larger one, which changes neither the scores nor the kept output
-columns.
+one head dim for q, k and v, and torch's (``varlen``) a multiple of 8: q, k
+and v are zero-padded to it (a different value head dim (MLA) to the larger
+one), which changes neither the scores (the scale of the real head dim is
+passed) nor the kept output columns.
 """
 
 from __future__ import annotations
@@ -23,26 +25,9 @@ from torch import Tensor
 from ..documents import cached_for_documents, cu_seqlens, cu_seqlens_from_document_ids
 from .dense import _repeat_kv
 from .pattern import Pattern
-from .select import _import_flash_attn
+from .select import FLASH_HEAD_DIM_MULTIPLE, _import_flash_attn
 
 __all__ = ["flash_attn_backend", "varlen_backend"]
-
-
-def _require_cuda(backend: str, q: Tensor) -> None:
-    if q.device.type != "cuda":
-        raise RuntimeError(
-            f"attention backend {backend!r} runs on CUDA only; got tensors on device "
-            f"'{q.device}'. Use backend 'sdpa' on CPU."
-        )
-
-
-def _require_half(backend: str, q: Tensor) -> None:
-    # Both are FlashAttention kernels, which exist for 16-bit floats only.
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(
-            f"attention backend {backend!r} needs float16 or bfloat16 inputs; got {q.dtype}. "
-            "Use backend 'sdpa' (or 'flex') for other dtypes."
-        )
 
 
 def _packed_lengths(seg, document_ids, b, s, device):
@@ -65,15 +50,16 @@ def _window_size(pattern: Pattern) -> tuple[int, int]:
     return (left, 0) if pattern.causal else (-1, -1)
 
 
-def _same_head_dim(q, k, v, scale):
-    """Zero-pad to one head dim; returns q, k, v, the scale to pass, and v's own dim."""
+def _one_head_dim(q, k, v, scale, multiple: int):
+    """Zero-pad q, k, v to one head dim, a multiple of ``multiple``; returns q, k,
+    v, the scale to pass (the real q/k head dim's) and v's own dim (to crop to)."""
     d, dv = q.shape[-1], v.shape[-1]
-    if d == dv:
+    width = -(-max(d, dv) // multiple) * multiple
+    if d == dv == width:
         return q, k, v, scale, dv
     scale = d**-0.5 if scale is None else scale  # the padded dim must not change it
-    if dv < d:
-        return q, k, F.pad(v, (0, d - dv)), scale, dv
-    return F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v, scale, dv
+    q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+    return q, k, v, scale, dv
 
 
 @functools.cache
@@ -84,14 +70,12 @@ def _varlen_params() -> frozenset:
 
 
 def varlen_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tensor:
-    _require_cuda("varlen", q)
-    _require_half("varlen", q)
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_params()
     b, s, hq, _ = q.shape
     hkv = k.shape[2]
-    q, k, v, scale, dv = _same_head_dim(q, k, v, scale)
+    q, k, v, scale, dv = _one_head_dim(q, k, v, scale, FLASH_HEAD_DIM_MULTIPLE)
     d = q.shape[-1]
     cu, max_len = _packed_lengths(seg, document_ids, b, s, q.device)
 
@@ -130,11 +114,8 @@ def _tokens_major(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tens
 
 
 def flash_attn_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tensor:
-    # Device first, so a CPU caller learns about the device, not a missing package.
-    _require_cuda("flash_attn", q)
-    _require_half("flash_attn", q)
     fa = _import_flash_attn()
-    q, k, v, scale, dv = _same_head_dim(q, k, v, scale)
+    q, k, v, scale, dv = _one_head_dim(q, k, v, scale, 1)  # flash-attn pads to its multiple itself
     # Only non-default options are passed, so older flash-attn versions work
     # whenever the pattern does not need them.
     extra = {}

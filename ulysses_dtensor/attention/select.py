@@ -1,11 +1,12 @@
-"""Backend names, the default backend per device and dtype, and which
-attention-pattern features each backend's kernel can express.
+"""Backend names, the default backend per device and dtype, which
+attention-pattern features each backend's kernel can express, and which
+tensors (device, dtype, head dim) its kernel takes.
 
 ``auto`` resolves to :func:`default_backend`; when that kernel cannot express a
-requested feature (a sink on FlashAttention, say), it resolves to the first
-backend that can on that device instead. An explicitly named backend that
-cannot is refused with one message naming the backend, the feature and the
-backends that can (:func:`resolve_backend`).
+requested feature (a sink on FlashAttention, say) or cannot take the tensors (a
+head dim over 256), it resolves to a backend that can on that device instead.
+An explicitly named backend that cannot is refused with one message naming the
+backend and the reason (:func:`resolve_backend`, :func:`kernel_refusal`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ import torch
 
 from ..suggest import unknown_name
 
-__all__ = ["BACKENDS", "FEATURES", "check_backend", "default_backend", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "FEATURES",
+    "FLASH_MAX_HEAD_DIM",
+    "check_backend",
+    "default_backend",
+    "flash_head_dim",
+    "kernel_refusal",
+    "resolve_backend",
+]
 
 BACKENDS = ("auto", "sdpa", "flex", "varlen", "flash_attn")
 
@@ -44,6 +54,38 @@ SUPPORTS = {
     "varlen": frozenset({"window"}),
     "flash_attn": frozenset({"window", "softcap"}),
 }
+
+
+# FlashAttention (torch's flash kernels and the flash-attn package) takes 16-bit
+# floats, head dims up to 256, and -- in torch's own flash API, which the ring and
+# ``varlen`` call directly -- head dims that are a multiple of 8 (only SDPA's
+# dispatcher pads; the flash-attn package pads for itself).
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+FLASH_HEAD_DIM_MULTIPLE = 8
+
+
+def flash_head_dim(head_dim: int) -> int:
+    """The head dim torch's flash kernels run ``head_dim`` at: zero-padded up to a
+    multiple of 8 (exact when the softmax scale of ``head_dim`` is passed)."""
+    return -(-head_dim // FLASH_HEAD_DIM_MULTIPLE) * FLASH_HEAD_DIM_MULTIPLE
+
+
+def kernel_refusal(backend: str, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why ``backend``'s kernel cannot take tensors of this device type, dtype and
+    (largest, with MLA) head dim; None when it can. A pure function: decided on
+    any machine for ``device_type="cuda"``."""
+    if backend not in ("varlen", "flash_attn"):
+        return None  # sdpa runs everything; flex's CPU limit is its backward (flex.py)
+    if device_type != "cuda":
+        return f"runs on CUDA only; got tensors on device '{device_type}'. Use backend 'sdpa' on CPU."
+    if dtype not in FLASH_DTYPES:
+        return (f"needs float16 or bfloat16 inputs (FlashAttention kernels); got {dtype}. "
+                "Use backend 'sdpa' (or 'flex') for other dtypes.")
+    if head_dim > FLASH_MAX_HEAD_DIM:
+        return (f"takes head dims up to {FLASH_MAX_HEAD_DIM} (FlashAttention kernels); got {head_dim}. "
+                "Use backend 'sdpa' (or 'flex').")
+    return None
 
 
 def check_backend(name: str) -> str:
@@ -109,15 +151,20 @@ def _resolved_default(device: torch.device, dtype: torch.dtype) -> str:
     return _RESOLVED[key]
 
 
-def resolve_backend(backend: str, features: frozenset, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend that runs: ``auto`` resolved for ``features``; a named backend
-    that cannot express one of them is refused (ValueError naming both)."""
+def resolve_backend(
+    backend: str, features: frozenset, device: torch.device, dtype: torch.dtype, head_dim: int = 0
+) -> str:
+    """The backend that runs: ``auto`` resolved for ``features`` and the tensors;
+    a named backend that cannot express one of them, or whose kernel cannot take
+    the tensors, is refused (ValueError naming the backend and the reason)."""
     if backend == "auto":
         backend = _resolved_default(device, dtype)
-        if features <= SUPPORTS[backend]:
-            return backend
-        # flex is the fused kernel that expresses every feature; it needs CUDA for a backward.
-        return "flex" if device.type == "cuda" else "sdpa"
+        if not features <= SUPPORTS[backend]:
+            # flex is the fused kernel that expresses every feature; it needs CUDA for a backward.
+            return "flex" if device.type == "cuda" else "sdpa"
+        if kernel_refusal(backend, device.type, dtype, head_dim):
+            return "sdpa"
+        return backend
     missing = sorted(features - SUPPORTS[backend])
     if missing:
         able = [b for b in SUPPORTS if features <= SUPPORTS[b]]
@@ -125,4 +172,7 @@ def resolve_backend(backend: str, features: frozenset, device: torch.device, dty
             f"attention backend {backend!r} cannot apply {FEATURES[missing[0]]} ({missing[0]}=...): its "
             f"kernel has no such option; backends that can: {', '.join(able)}"
         )
+    why = kernel_refusal(backend, device.type, dtype, head_dim)
+    if why:
+        raise ValueError(f"attention backend {backend!r} {why}")
     return backend

@@ -337,6 +337,21 @@ def _check_ring(cfg: JobConfig, schedule, dims) -> None:
         )
 
 
+def check_attention_kernel(backend: str, args, device_type: str, dtype) -> None:
+    """A named backend whose kernel cannot take this run's attention tensors (the
+    device, the compute dtype, the head dim: ``args.head_dim``, or MLA's larger
+    ``v_head_dim``) is refused here, before any step; ``auto`` picks one that can."""
+    from ..attention.select import kernel_refusal
+
+    head_dim = max(args.head_dim, getattr(args, "v_head_dim", 0))
+    why = kernel_refusal(backend, device_type, dtype, head_dim)
+    if why:
+        raise ConfigError(
+            f"model.attn_backend={backend!r} (head dim {head_dim}, {dtype} on {device_type}; the dtype is "
+            f"training.mixed_precision_param's) {why}"
+        )
+
+
 def _check_micro_batch(cfg: JobConfig, schedule, dp: int) -> None:
     micro = cfg.training.micro_batch_size
     if not micro:

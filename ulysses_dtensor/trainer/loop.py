@@ -35,6 +35,7 @@ from ..schedule import LRSchedule
 from .checkpoint import CheckpointManager
 from ..data_checks import DataError
 from .config import ConfigError, JobConfig, inactive_settings, model_args, validate_config
+from .config_checks import check_attention_kernel
 from .data_setup import build_training_data
 from .eval_setup import PeriodicEval, check_eval_setup
 from .hf_start import model_info, tokenizer_spec
@@ -116,10 +117,12 @@ def build_model(
     from ..parallelize import parallelize_llama
     from .hf_model import build_transformers_model, uses_transformers
 
+    shape = args or model_args(cfg, vocab_size)
+    check_attention_kernel(cfg.model.attn_backend, shape, device.type, _DTYPES[cfg.training.mixed_precision_param])
     if uses_transformers(cfg):  # transformers' own model class (model.implementation)
         return build_transformers_model(cfg, pmesh, device, init_weights=init_weights,
                                         n_layers=args.n_layers if args is not None else None)
-    args = args or model_args(cfg, vocab_size)
+    args = shape
     with torch.device("meta"):
         model = Llama(args)
     ac = cfg.activation_checkpoint
