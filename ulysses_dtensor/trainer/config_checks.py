@@ -180,6 +180,8 @@ def check_values(cfg: JobConfig) -> None:
     positive("checkpoint.interval", cfg.checkpoint.interval)
     positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, 0)
     positive("metrics.log_freq", cfg.metrics.log_freq)
+    positive("comm.init_timeout_seconds", cfg.comm.init_timeout_seconds)
+    positive("comm.train_timeout_seconds", cfg.comm.train_timeout_seconds)
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, 0)
     positive("model.vocab_multiple_of", cfg.model.vocab_multiple_of)
     positive("parallelism.ring", cfg.parallelism.ring)

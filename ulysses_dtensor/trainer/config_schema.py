@@ -162,6 +162,16 @@ class Checkpoint:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: int = _f(
+        600, "seconds any collective may wait for a peer rank during start-up (process group, checkpoint "
+        "load), the first step after a (re)start, checkpoint saves, evaluation and the final barrier")
+    train_timeout_seconds: int = _f(
+        300, "seconds any collective may wait for a peer rank in the other steps; a rank whose peer died "
+        "or hangs exits after this long with one line, so torchrun can restart the job or stop it")
+
+
+@dataclass
 class ActivationCheckpoint:
     mode: str = _f("none", "activation checkpointing", ("none", "full", "selective"))
     selective: str = _f("op", "selective AC: 'op' (save matmuls) or every Nth layer, e.g. '2'")
@@ -221,6 +231,7 @@ class JobConfig:
     context: Context = field(default_factory=Context)
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     memory: Memory = field(default_factory=Memory)
     metrics: Metrics = field(default_factory=Metrics)
