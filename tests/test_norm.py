@@ -19,8 +19,8 @@ def plain(x, w, eps=EPS):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    # 7-token chunks: several per tensor, and a ragged last one.
-    monkeypatch.setattr(N, "CHUNK_TOKENS", 7)
+    # 7-token chunks of the dim-16 tensors (fewer tokens at dim 8): several per tensor, and a ragged last one.
+    monkeypatch.setattr(N, "CHUNK_ELEMENTS", 7 * 16)
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
