@@ -50,13 +50,13 @@ def _cheaper_trace(cfg, args, s_local: int, counts: tuple[int, ...]) -> str:
     ~40 more per MLP tile (forward, recompute and backward of each tile), ~10
     per loss chunk; the extrapolated plan traces the loss once per trace.
     """
-    from ..tiling import auto_num_tiles
+    from ..tiling import auto_loss_chunks, auto_num_tiles
 
     mem = cfg.memory
     per_layer = 200
     if mem.tiled_mlp:
         per_layer += 40 * (mem.mlp_tiles or auto_num_tiles(s_local, args.ffn_dim, args.dim))
-    loss = 10 * ((mem.loss_chunks or auto_num_tiles(s_local, args.vocab_size, args.dim)) if mem.tiled_loss else 5)
+    loss = 10 * ((mem.loss_chunks or auto_loss_chunks(s_local, args.vocab_size)) if mem.tiled_loss else 5)
     full = args.n_layers * per_layer + loss
     extrapolated = sum(counts) * per_layer + len(counts) * loss
     return "extrapolate" if args.n_layers > counts[-1] and extrapolated < 0.7 * full else "full"

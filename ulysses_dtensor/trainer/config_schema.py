@@ -182,7 +182,7 @@ class Memory:
     tiled_mlp: bool = _f(False, "compute each MLP over sequence tiles (no whole (seq, ffn) tensors)")
     mlp_tiles: int = _f(0, "MLP tiles (0: from the shapes, about seq*ffn/dim^2)")
     tiled_loss: bool = _f(False, "compute logits + loss over sequence chunks (no whole (seq, vocab) logits)")
-    loss_chunks: int = _f(0, "loss chunks (0: from the shapes)")
+    loss_chunks: int = _f(0, "loss chunks (0: from the shapes, at most 1 GiB of float32 logits each)")
     offload_activations: bool = _f(
         False, "keep checkpointed block inputs in pinned host memory (needs activation_checkpoint.mode='full')"
     )
