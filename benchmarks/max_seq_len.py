@@ -101,7 +101,7 @@ def layout(flavor: str, gpus: int, ulysses: int = 0) -> tuple[int, int, int]:
     return best, gpus // best, 1
 
 
-def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0):
+def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0, mlp_tiles: int = 0):
     sp, dp_shard, ring = layout(flavor, gpus, ulysses)
     if flavor in HF_MODELS:
         model = ["--model.hf_path", str(HF_CONFIGS / flavor), "--model.implementation", "transformers"]
@@ -123,6 +123,8 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulys
         # A dim-64 model would get hundreds of automatic tiles: keep the smoke run quick.
         argv += ["--memory.mlp_tiles", "4"] if feats.get("tiled_mlp") else []
         argv += ["--memory.loss_chunks", "4"] if feats.get("tiled_loss") else []
+    if mlp_tiles and feats.get("tiled_mlp"):
+        argv += ["--memory.mlp_tiles", str(mlp_tiles)]
     for key, value in feats.items():
         argv += [f"--memory.{key}", "true" if value is True else str(value)]
     return load_config(argv), sp, dp_shard, ring
@@ -146,7 +148,7 @@ def stamp() -> dict:
 
 
 def run_one(flavor, gpus, features, ns, log) -> dict:
-    cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses)
+    cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles)
     usp = f" = ring {ring} x ulysses {sp // ring}" if ring > 1 else ""
     log(f"{flavor} on {gpus} GPU(s) (sp {sp}{usp} x dp_shard {dp_shard}), {features}:")
     res = find_max_seq_len(
@@ -167,6 +169,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
         "ring": ring,
         "ulysses": sp // ring,
         "features": features,
+        "mlp_tiles": ns.mlp_tiles or "auto",
         "budget_gib": ns.budget_gib,
         "headroom_gib": ns.headroom_gib,
         "planned_max_seq_len": res.max_seq_len,
@@ -194,7 +197,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
 
 def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
     """Extrapolated (4/5/6-layer traces) vs full trace at one length."""
-    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles)
     unit = ns.granularity * sp
     seq_len = max(unit, seq_len // unit * unit)
     full = plan_memory(cfg, gpus, seq_len, rows=1, layers="full")
@@ -216,7 +219,7 @@ def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
 def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
     """Planned peak at fixed lengths (for the memory-vs-length plot)."""
     out = []
-    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles)
     for seq_len in lengths:
         unit = ns.granularity * sp
         seq_len = max(unit, seq_len // unit * unit)
@@ -335,6 +338,11 @@ def main(argv=None) -> int:
                    help="two lengths (tokens) expected to straddle the answer: planned first, they "
                         "seed the search (e.g. from a neighbouring layout's result)")
     p.add_argument("--layers", choices=("auto", "full", "extrapolate"), default="auto")
+    p.add_argument("--mlp-tiles", type=int, default=0, metavar="N",
+                   help="plan with N MLP tiles per layer (memory.mlp_tiles) instead of the automatic count "
+                        "(tiles about dim^2/ffn tokens long, hundreds per layer at long context, each traced): "
+                        "larger tiles can only add to the peak, so the planned length is a lower bound of the "
+                        "automatic one, and a config with memory.mlp_tiles = N trains exactly what was planned")
     p.add_argument("--no-confirm", nargs="*", metavar="FEATURES", default=None,
                    help="keep extrapolated plans at the boundary (no full-trace re-plan), for these "
                         "feature sets (none given: all)")

@@ -64,7 +64,7 @@ def _cheaper_trace(cfg, args, s_local: int, counts: tuple[int, ...]) -> str:
 
 def _default_world_size(cfg) -> int:
     p = cfg.parallelism
-    return p.dp_replicate * p.sp * (p.dp_shard if p.dp_shard > 0 else 1)
+    return p.dp_replicate * p.sp * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
 
 
 def _prepared_config(cfg, seq_len, rows, notes):
@@ -142,7 +142,7 @@ def plan_memory(
     if rows is not None:
         par = cfg.parallelism
         try:
-            dp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size).dp
+            dp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring, tp=par.tp).dp
         except ValueError:
             dp = 1  # validate_config below raises the ConfigError
         cfg.training.global_batch_size = rows * dp
@@ -245,6 +245,7 @@ def plan_memory(
         dp_replicate=dims.dp_replicate,
         dp_shard=dims.dp_shard,
         sp=dims.sp,
+        tp=dims.tp,
         seq_len=seq_len,
         rows=micro,
         local_tokens=micro * seq_len // dims.sp,

@@ -100,6 +100,9 @@ class Parallelism:
     ring: int = _f(1, "ring-attention degree inside sp: sp = ring x ulysses, the Ulysses "
                       "all-to-all within groups of sp/ring consecutive ranks (a node), the ring "
                       "across them (1: Ulysses only)")
+    tp: int = _f(1, "tensor-parallel degree: the innermost ranks split each block's weights (heads, "
+                    "MLP width) with PyTorch's Colwise/RowwiseParallel; world = dp_replicate x dp_shard "
+                    "x sp x tp (1: none)")
 
 
 @dataclass
