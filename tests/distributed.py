@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import queue
 import shutil
@@ -51,6 +52,12 @@ def _reset_between_tasks() -> None:
     for pg in list(dist.distributed_c10d._world.pg_map):
         if pg is not world:
             dist.destroy_process_group(pg)
+    # destroy_process_group only unregisters a group: its sockets and threads go
+    # when the object is freed, and the task's modules (FSDP state, meshes) hold
+    # it in reference cycles that only a full collection breaks. Left to gc's own
+    # schedule, hundreds of dead groups piled up per rank, their loops spinning
+    # on sockets the peers had closed (load averages over 100 on 2 cores).
+    gc.collect()
     torch._dynamo.reset()
     # DTensor caches sharding decisions per op and input specs (in Python and
     # in its C++ fast path). A DeviceMesh compares equal to any mesh of the same
