@@ -259,6 +259,8 @@ EFFECT_CASES = {
     "lr_scheduler.min_lr_ratio": ("0.1", []),
     "model.vocab_multiple_of": ("128", []),
     "data.max_corpus_mb": ("1", []),
+    "data.packing_window": ("128", ["--data.packing", "bfd"]),
+    "data.overlong": ("drop", ["--data.packing", "bfd"]),
     "metrics.exchange_timing": ("false", ["--parallelism.sp", "2"]),
     "eval.depths": ("4", []),
     "eval.samples": ("2", []),

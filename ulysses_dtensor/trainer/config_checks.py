@@ -23,7 +23,7 @@ from typing import Callable
 from ..data import DATA_SUFFIXES, TOKENIZERS_EXTRA_MSG, data_files, data_suffix, is_store
 from ..suggest import did_you_mean
 from .config_schema import SOURCE_DEFAULT, ConfigError, JobConfig
-from .data_config import check_data_values, data_path_problem
+from .data_config import check_data_values, data_path_problem, packing_of
 from .hf_start import HF_IGNORED_MODEL_KEYS, hf_model_args, tokenizer_spec
 
 __all__ = ["check_values", "validate_config", "model_args", "inactive_settings", "EFFECT_RULES",
@@ -89,6 +89,10 @@ EFFECT_RULES: list[EffectRule] = [
     EffectRule("data.max_corpus_mb", ("data.path", "data.sources"),
                lambda c: c.data.path == "" and not c.data.sources,
                "it caps the built-in corpus (data.path='' and no data.sources)"),
+    *(EffectRule(f"data.{k}", ("data.packing", "data.format"), lambda c: packing_of(c) == "bfd",
+                 "it shapes best-fit packing (data.packing='bfd', or 'auto' with data.format chat / "
+                 "prompt_completion); the stream cut splits every sample that crosses a row end")
+      for k in ("packing_window", "overlong")),
     EffectRule("metrics.exchange_timing", ("parallelism.sp", "training.compile"),
                lambda c: c.parallelism.sp > 1 and not c.training.compile,
                "it times the eager Ulysses all-to-alls (parallelism.sp > 1; torch.compile'd "

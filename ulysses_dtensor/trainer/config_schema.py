@@ -146,6 +146,18 @@ class Data:
                              "chat template beside the tokenizer, only assistant turns trained on; "
                              "prompt_completion: 'prompt' + 'completion', only the completion trained on",
                      ("text", "chat", "prompt_completion"))
+    packing: str = _f(
+        "auto", "how samples fill rows: bfd (best-fit decreasing over packing_window samples: a sample is never "
+        "split unless it alone is longer than a row; row ends padded, padding ignored), stream (cut the token "
+        "stream every seq_len tokens: no padding, a sample crossing a row end continues in the next row as a "
+        "new document), auto (bfd for chat / prompt_completion, stream for text)", ("auto", "bfd", "stream"))
+    packing_window: int = _f(4096, "bfd: samples packed together (a bounded buffer: the rows of one window "
+                                   "are emitted before the next window is read)")
+    overlong: str = _f("error", "bfd: samples longer than a row: error (refused before the run starts, with "
+                                "their count and the longest), truncate (keep the first seq_len tokens: the "
+                                "prompt, the answer cut at its end), split (pieces of seq_len tokens, each its "
+                                "own document), drop (counted in the banner and metrics)",
+                       ("error", "truncate", "split", "drop"))
     text_key: str = _f("text", "field of each .jsonl record / table column that holds the text")
     shuffle: bool = _f(True, "shuffle document order each epoch (seeded by job.seed)")
     max_corpus_mb: float = _f(8.0, "size cap of the built-in corpus in MiB")

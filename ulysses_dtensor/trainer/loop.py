@@ -259,7 +259,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
         f"  implementation {_implementation_banner(cfg)}\n"
-        f"  {data.banner(schedule, loader.source_tokens())}\n  {data.loading_banner()}\n"
+        f"  {data.banner(schedule, loader.source_tokens())}\n  {data.packing_banner()}\n  {data.loading_banner()}\n"
         f"{rope_banner(schedule, ropes) if ropes else '  rope: config.json of model.hf_path, every stage'}\n"
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
         f"  {_eval_banner(cfg, held_out)}; {_timing_banner(cfg, dims.sp, timer is not None)}"
