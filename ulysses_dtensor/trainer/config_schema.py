@@ -194,6 +194,21 @@ class Memory:
 
 
 @dataclass
+class Lora:
+    rank: int = _f(0, "LoRA adapters of this rank on target_modules, the base weights frozen (peft's LoRA "
+                      "layers; needs model.hf_path; 0: train every weight)")
+    alpha: float = _f(16.0, "LoRA scaling numerator: the adapters' output is scaled by alpha / rank")
+    dropout: float = _f(0.0, "dropout on the adapters' input (recomputation under activation checkpointing "
+                             "replays the same masks)")
+    target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Linear modules that get adapters: names or name suffixes, as peft matches them (transformers' names; "
+        "this package's Llama takes the same names)")
+    modules_to_save: list[str] = _f([], "modules trained whole beside the adapters (e.g. norm, embed_tokens), "
+                                        "saved in the adapter")
+
+
+@dataclass
 class Metrics:
     log_freq: int = _f(1, "print a console line every this many steps")
     enable_tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboard)")
@@ -235,6 +250,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     memory: Memory = field(default_factory=Memory)
+    lora: Lora = field(default_factory=Lora)
     metrics: Metrics = field(default_factory=Metrics)
     eval: Eval = field(default_factory=Eval)
 
