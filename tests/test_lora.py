@@ -286,7 +286,12 @@ def test_checkpoint_holds_adapters_resumes_on_another_mesh_and_exports(llama_dir
     from ulysses_dtensor.export import main as export_main
 
     saved = ["--lora.modules_to_save", "norm", "--checkpoint.interval", "2"]
-    full = _argv(llama_dir, tmp_path / "full", "transformers", (1, 2, 2), *saved)
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text(Path(json.__file__).read_text())  # documents training never reads
+    evals = ["--eval.tasks", "loss", "--eval.lengths", str(SEQ), "--eval.loss_rows", "2", "--eval.data_path",
+             str(held_out)]
+    full = _argv(llama_dir, tmp_path / "full", "transformers", (1, 2, 2), *saved, "--eval.interval", str(STEPS),
+                 *evals)
     resumed = _argv(llama_dir, tmp_path / "resumed", "transformers", (1, 1, 4), *saved)
     run_ranks(4, _train_jobs, [(full, None),
                                (resumed, (tmp_path / "full" / "checkpoint" / "step-2",
@@ -296,6 +301,14 @@ def test_checkpoint_holds_adapters_resumes_on_another_mesh_and_exports(llama_dir
     assert b[0]["loss"] == pytest.approx(a[2]["loss"], rel=1e-6) and b[0]["grad_norm"] == pytest.approx(
         a[2]["grad_norm"], rel=1e-5)
     ckpt = tmp_path / "full" / "checkpoint" / f"step-{STEPS}"
+    # the evaluation of the checkpoint (one process: base from model.hf_path + the adapters) is the trainer's
+    from ulysses_dtensor.eval import evaluate
+
+    cli = evaluate(_argv(llama_dir, tmp_path / "full", "transformers", (1, 1, 1), *saved, *evals, "--checkpoint",
+                         str(ckpt), "--output", str(tmp_path / "eval")))
+    during = [json.loads(line) for line in (tmp_path / "full" / "eval" / "eval.jsonl").read_text().splitlines()]
+    (a_loss,), (b_loss,) = ([r["loss"] for r in rows if r["kind"] == "loss"] for rows in (cli, during))
+    assert a_loss == pytest.approx(b_loss, abs=1e-5)
     keys = [k for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("model.")]
     assert keys and all(".lora_" in k or k.endswith("norm.weight") for k in keys)  # no base weight
     assert len(keys) == 2 * 7 * 2 + 5
@@ -355,3 +368,30 @@ def test_refusals_name_the_key_and_what_is_valid(llama_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"lora.rank=4 \(from the command line\) adapts a pretrained model: set "
                                           r"model.hf_path"):
         load_config(["--lora.rank", "4"])
+
+
+def test_planner_counts_adapter_state_only_and_a_bf16_base(llama_dir):
+    """The memory planner traces the LoRA step: AdamW state for the adapters alone, the
+    frozen base held in bf16 (no float32 master copy), the adapters in float32."""
+    from ulysses_dtensor.estimate import plan_memory
+    from ulysses_dtensor.models.llama import Llama
+    from ulysses_dtensor.trainer.config import load_config, model_args
+    from ulysses_dtensor.trainer.lora_setup import apply_lora
+
+    def plan(*extra):
+        cfg = load_config(["--model.hf_path", str(llama_dir), "--model.implementation", "native",
+                           "--training.mixed_precision_param", "bfloat16", "--training.global_batch_size", "1",
+                           "--training.seq_len", "256", *extra])
+        return cfg, plan_memory(cfg, 1, 256, layers="full").breakdown
+
+    _, full = plan()
+    cfg, lora = plan("--lora.rank", "4")
+    with torch.device("meta"):
+        model = apply_lora(cfg, Llama(model_args(cfg, VOCAB)), native=True)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert abs(lora["OptState"] - 8 * trained) < 1024 and abs(full["OptState"] - 8 * frozen) < 1024
+    assert lora["Sharded Param"] == 2 * frozen + 4 * trained
+    print(f"planned (1 rank, 256 tokens): AdamW state {full['OptState'] / 1e3:.0f} KB -> {lora['OptState'] / 1e3:.1f} "
+          f"KB, parameters {full['Sharded Param'] / 1e3:.0f} KB -> {lora['Sharded Param'] / 1e3:.0f} KB with LoRA")

@@ -8,6 +8,10 @@ before the model is parallelized, freezes the base, and trains the adapters and
 * weights: the base is read from ``model.hf_path`` by its checkpoint names
   (``...q_proj.base_layer.weight`` is ``...q_proj.weight`` there); the adapters
   start from peft's initialisation, seeded by ``job.seed``;
+* the frozen base is held in the compute dtype under
+  ``training.mixed_precision_param = "bfloat16"`` (no float32 master copy of a
+  weight that never changes: half the base's memory), the trained parameters
+  in float32 as always;
 * optimizer, clipping: the trained parameters only (AdamW keeps no state for
   the base; the planner counts adapter state only);
 * checkpoints: the trained parameters and their optimizer state only (a resume
@@ -82,11 +86,15 @@ def check_lora_model(cfg, model: nn.Module, *, native: bool) -> None:
 
 def apply_lora(cfg, model: nn.Module, *, native: bool) -> nn.Module:
     """``model`` (on meta, not yet parallelized) with the adapters of ``cfg`` (none without)."""
-    from ..integrations.lora import add_lora
+    import torch
+
+    from ..integrations.lora import add_lora, store_frozen_as
 
     if uses_lora(cfg):
         check_lora_model(cfg, model, native=native)
         add_lora(model, lora_spec(cfg, native=native), head=_head(model, native))
+        if cfg.training.mixed_precision_param == "bfloat16":
+            store_frozen_as(model, torch.bfloat16)
     return model
 
 
