@@ -4,11 +4,12 @@ A tiny random HF Llama (``scripts/make_tiny_hf_model.py``) is trained on the bui
 corpus (packed rows) with rank-4 adapters on every projection:
 
 * parity: the trainer's model (``build_model``, ``train_step``) on dp_shard 2 x sp 2 and
-  sp 4 (USP for transformers' class), with the memory switches and compile, for
-  transformers' class and for this package's Llama: every step's loss and EVERY adapter gradient equal a hand-written loop
+  sp 4 (USP for transformers' class), with the memory switches, for transformers' class
+  and for this package's Llama: every step's loss and EVERY adapter gradient equal a hand-written loop
   over ``get_peft_model`` on transformers' ``from_pretrained`` model, each packed document
   run alone (3 steps, AdamW between them);
-* recomputation (activation checkpointing, offload, compile) replays LoRA dropout's masks;
+* recomputation (activation checkpointing, offload, tiled MLPs; compiled blocks too)
+  replays LoRA dropout's masks;
 * the trainer's checkpoints hold the adapters only and resume exactly on another mesh;
   the export gives a peft adapter directory (``PeftModel.from_pretrained``) and merged
   weights (``from_pretrained``), both with the trainer's logits;
@@ -68,9 +69,8 @@ RUNS = {  # name: (implementation, mesh, switches)
     "transformers, sp 4 = ring 2 x ulysses 2, offloaded layer inputs and parameters": (
         "transformers", (1, 1, 4), ["--parallelism.ring", "2", "--activation_checkpoint.mode", "full",
                                     "--memory.offload_activations", "true", "--memory.offload_params", "true"]),
-    "native Llama, sp 4, selective AC, compiled blocks, tiled loss": (
-        "native", (1, 1, 4), ["--activation_checkpoint.mode", "selective", "--training.compile", "true",
-                              "--training.compile_backend", "aot_eager", "--memory.tiled_loss", "true"]),
+    "native Llama, sp 4, selective AC, tiled loss": (
+        "native", (1, 1, 4), ["--activation_checkpoint.mode", "selective", "--memory.tiled_loss", "true"]),
 }
 
 
@@ -191,8 +191,9 @@ def test_loss_and_every_adapter_gradient_equal_peft_unsharded(llama_dir, tmp_pat
 
 
 def test_recomputation_replays_lora_dropout(monkeypatch):
-    """Full / selective AC, host offload and tiled MLPs recompute with forward's dropout masks
-    (the RNG state is replayed); without the replay the gradients would differ."""
+    """Full / selective AC, host offload, tiled MLPs and compiled checkpointed blocks recompute
+    with forward's dropout masks (the RNG state is replayed); without the replay the
+    gradients would differ."""
     import torch.distributed as dist
 
     from ulysses_dtensor import parallelize
@@ -223,7 +224,8 @@ def test_recomputation_replays_lora_dropout(monkeypatch):
     try:
         plain = grads()
         for recomputed in (dict(ac_mode="full"), dict(ac_mode="selective"),
-                           dict(ac_mode="full", offload_activations=True)):
+                           dict(ac_mode="full", offload_activations=True),
+                           dict(ac_mode="full", compile=True, compile_backend="aot_eager")):
             assert max((x - y).abs().max().item() for x, y in zip(plain, grads(**recomputed))) < 1e-7, recomputed
         tiled = dict(tiled_mlp=True, mlp_tiles=3)  # tiles draw their masks tile by tile: compared among themselves
         a, b = grads(**tiled), grads(ac_mode="full", **tiled)

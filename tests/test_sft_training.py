@@ -109,6 +109,10 @@ def test_sft_loss_same_on_three_meshes_and_equal_to_hand_masked_loss(sft, tmp_pa
     _train(*_config(sft, tmp_path / "micro", (1, 1, 1), ("training.micro_batch_size", "1")))
     run_ranks(4, _ranks, _config(sft, tmp_path / "1x2x2", (1, 2, 2)))
     ref = _rows(tmp_path / "1x1x1")
+    # LoRA on the same SFT rows: step 1 is the base model's (B starts at zero), then adapters train
+    _train(*_config(sft, tmp_path / "lora", (1, 1, 1), ("lora.rank", "4")))
+    lora = _rows(tmp_path / "lora")
+    assert lora[0]["loss"] == ref[0]["loss"] and lora[1]["loss"] != ref[1]["loss"]
     for name in ("micro", "1x2x2"):
         rows = _rows(tmp_path / name)
         print(f"{name}: max rel diff loss "

@@ -201,7 +201,7 @@ class TrainingData:
         # The banner's padding figure: the next steps' rows from their lengths (before the
         # read-ahead thread shares the streams).
         steps = range(start_step + 1, min(self.cfg.training.steps, start_step + self.PREVIEW_STEPS) + 1)
-        preview = loader.preview([plan(step) for step in steps])
+        preview = loader.preview([plan(step) for step in steps]) if steps else None
         self.preview = {**preview, "steps": len(steps)} if preview else None
 
         if self.cfg.data.prefetch and start_step < self.cfg.training.steps:

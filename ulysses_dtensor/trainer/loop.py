@@ -222,8 +222,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
     latest = ckpt.latest_step() if ckpt.enable else None
     # A resumed run takes its weights from the checkpoint: no init, no HF load. With LoRA
     # the checkpoint holds the adapters only: the base is read from model.hf_path again.
-    lora = uses_lora(cfg)
-    model = build_model(cfg, pmesh, vocab_size, device, init_weights=latest is None or lora)
+    model = build_model(cfg, pmesh, vocab_size, device, init_weights=latest is None or uses_lora(cfg))
     optimizer = build_optimizer(cfg, model)
     info = model_info(cfg, model.args)
     # Each stage's rope (checked in validate_config); None: a transformers family whose
