@@ -108,7 +108,8 @@ def label(features: str, lora: int = 0) -> str:
     return f"{features}+lora{lora}" if lora else features
 
 
-def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0, lora: int = 0):
+def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0, lora: int = 0,
+                mlp_tiles: int = 0):
     sp, dp_shard, ring = layout(flavor, gpus, ulysses)
     if flavor in HF_MODELS:
         model = ["--model.hf_path", str(HF_CONFIGS / flavor), "--model.implementation", "transformers"]
@@ -132,6 +133,8 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulys
         argv += ["--memory.loss_chunks", "4"] if feats.get("tiled_loss") else []
     for key, value in feats.items():
         argv += [f"--memory.{key}", "true" if value is True else str(value)]
+    if mlp_tiles and feats.get("tiled_mlp"):  # a fixed count: fewer traced ops than the automatic one at long lengths
+        argv += ["--memory.mlp_tiles", str(mlp_tiles)]
     if lora:  # adapters on every projection, the base frozen in bf16 (needs an HF config: model.hf_path)
         argv += ["--lora.rank", str(lora), "--lora.alpha", str(2 * lora)]
     return load_config(argv), sp, dp_shard, ring
@@ -155,7 +158,7 @@ def stamp() -> dict:
 
 
 def run_one(flavor, gpus, features, ns, log) -> dict:
-    cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.lora)
+    cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.lora, ns.mlp_tiles)
     features = label(features, ns.lora)
     usp = f" = ring {ring} x ulysses {sp // ring}" if ring > 1 else ""
     log(f"{flavor} on {gpus} GPU(s) (sp {sp}{usp} x dp_shard {dp_shard}), {features}:")
@@ -204,7 +207,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
 
 def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
     """Extrapolated (4/5/6-layer traces) vs full trace at one length."""
-    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.lora, ns.mlp_tiles)
     unit = ns.granularity * sp
     seq_len = max(unit, seq_len // unit * unit)
     full = plan_memory(cfg, gpus, seq_len, rows=1, layers="full")
@@ -226,7 +229,7 @@ def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
 def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
     """Planned peak at fixed lengths (for the memory-vs-length plot)."""
     out = []
-    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.lora)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.lora, ns.mlp_tiles)
     features = label(features, ns.lora)
     for seq_len in lengths:
         unit = ns.granularity * sp
@@ -350,6 +353,9 @@ def main(argv=None) -> int:
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="LoRA adapters of this rank on every projection (lora.alpha = 2 x rank), the base "
                         "frozen: transformers configs only (0: full fine-tuning)")
+    p.add_argument("--mlp-tiles", type=int, default=0, metavar="N",
+                   help="memory.mlp_tiles for the tiled-MLP feature sets (0: automatic, a tile about as long as "
+                        "the model dim: hundreds of tiles, slow to trace, at millions of tokens)")
     p.add_argument("--layers", choices=("auto", "full", "extrapolate"), default="auto")
     p.add_argument("--no-confirm", nargs="*", metavar="FEATURES", default=None,
                    help="keep extrapolated plans at the boundary (no full-trace re-plan), for these "

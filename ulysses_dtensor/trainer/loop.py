@@ -39,6 +39,7 @@ from .config_checks import check_attention_kernel
 from .data_setup import build_training_data
 from .eval_setup import PeriodicEval, check_eval_setup
 from .hf_start import model_info, tokenizer_spec
+from .lora_setup import flops_per_token as lora_flops_per_token
 from .lora_setup import uses_lora
 from .metrics import MetricsLogger
 from .rope_stages import global_rope_length, rope_args, rope_banner, rope_row, stage_ropes, trained_rope_info
@@ -287,7 +288,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         world_size=world,
         total_steps=cfg.training.steps,
         device=device,
-        flops_per_token=model.flops_per_token,
+        flops_per_token=lora_flops_per_token(cfg, model),  # a frozen base skips its weight gradients
         log_freq=cfg.metrics.log_freq,
         peak_flops=cfg.metrics.peak_flops,
         enable_tensorboard=cfg.metrics.enable_tensorboard,

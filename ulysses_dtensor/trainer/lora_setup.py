@@ -32,7 +32,7 @@ from torch import nn
 
 from .config_schema import ConfigError
 
-__all__ = ["NATIVE_NAMES", "apply_lora", "check_lora_model", "lora_info", "lora_spec", "uses_lora"]
+__all__ = ["NATIVE_NAMES", "apply_lora", "check_lora_model", "flops_per_token", "lora_info", "lora_spec", "uses_lora"]
 
 # transformers' module names -> this package's Llama's (models/llama.py), for targets and modules to save.
 NATIVE_NAMES = {
@@ -96,6 +96,22 @@ def apply_lora(cfg, model: nn.Module, *, native: bool) -> nn.Module:
         if cfg.training.mixed_precision_param == "bfloat16":
             store_frozen_as(model, torch.bfloat16)
     return model
+
+
+def flops_per_token(cfg, model: nn.Module):
+    """``model.flops_per_token`` for MFU, less the weight gradients a frozen base skips: a
+    frozen weight costs 4 FLOPs per token and parameter (forward, input gradient), not 6.
+    The frozen parameters counted are those the model's own count uses (its matmuls: not
+    the input embedding of an untied model)."""
+    if not uses_lora(cfg):
+        return model.flops_per_token
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_embeddings
+    counted = model._active_params if hasattr(model, "_active_params") else model.num_params(exclude_embeddings=True)
+    untied = not model.args.tie_embeddings
+    trained = sum(p.numel() for p in model.parameters()
+                  if p.requires_grad and not (untied and p is embed.weight))
+    frozen = counted - trained
+    return lambda seq_len: model.flops_per_token(seq_len) - 2 * frozen
 
 
 def lora_info(cfg) -> dict | None:
