@@ -54,12 +54,24 @@ fi
 # One line per install: "<cksum of pyproject.toml> <root> extras=<extras>". The
 # base package is satisfied by any install of this pyproject (extras add to it).
 stamp="$PREFIX/ulysses-dtensor-setup.stamp"
-key="$(cksum <"$ROOT/pyproject.toml" | cut -d' ' -f1) $ROOT"
+sum="$(cksum <"$ROOT/pyproject.toml" | cut -d' ' -f1)"
+key="$sum $ROOT"
 extras="${EXTRAS:+[$EXTRAS]}"
-if [ -n "$EXTRAS" ]; then
-    grep -qxF "$key extras=$EXTRAS" "$stamp" 2>/dev/null && installed=1 || installed=0
-else
-    grep -qF "$key extras=" "$stamp" 2>/dev/null && installed=1 || installed=0
+_stamped() {  # _stamped ROOT_OR_EMPTY: this pyproject installed (from that root, or any) with these extras
+    awk -v s="$sum" -v r="$1" -v e="$EXTRAS" \
+        '$1 == s && (r == "" || $2 == r) && (e == "" ? $3 ~ /^extras=/ : $3 == "extras=" e) { f = 1 } END { exit !f }' \
+        "$stamp" 2>/dev/null
+}
+_imports_from_root() {  # the interpreter imports this package from ROOT already (PYTHONPATH)
+    "$PY" -c 'import os, sys, ulysses_dtensor as u; sys.exit(os.path.dirname(os.path.dirname(os.path.abspath(u.__file__))) != sys.argv[1])' "$ROOT" >/dev/null 2>&1
+}
+# A checkout the interpreter already imports from, with this pyproject's dependencies
+# installed (from another checkout), is used as it is: reinstalling would point a
+# shared environment's editable install at it (a test that launches these scripts
+# with PYTHONPATH set to its own checkout).
+installed=0
+if _stamped "$ROOT" || { _imports_from_root && _stamped ""; }; then
+    installed=1
 fi
 if [ "$installed" = 0 ] || ! "$PY" -c "import ulysses_dtensor" >/dev/null 2>&1; then
     # torch is already there and satisfies torch>=2.11: pip keeps that build.

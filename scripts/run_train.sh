@@ -8,7 +8,10 @@
 #
 # Setup (scripts/_python_env.sh): the active Python or ./.venv, pinned torch
 # first (TORCH_PIN, default torch==2.13.0), then this package with its
-# dependencies. Environment: PYTHON (interpreter), NPROC (ranks).
+# dependencies. Environment: PYTHON (interpreter), NPROC (ranks), MAX_RESTARTS
+# (0): how often torchrun restarts the ranks after one fails; each restart resumes
+# from the newest complete checkpoint (the trainer keys its process group's start
+# on the attempt, see ulysses_dtensor/restarts.py).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_python_env.sh"
 cd "$ROOT"
@@ -32,4 +35,5 @@ esac
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 echo "run_train.sh: $nproc ranks ($([ "$gpus" -gt 0 ] && echo "$gpus GPUs" || echo "CPU, gloo"))" >&2
 exec "$py" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
+    --max_restarts="${MAX_RESTARTS:-0}" \
     -m ulysses_dtensor.train "${config[@]}" "$@"

@@ -370,6 +370,10 @@ def test_refusals_name_the_key_and_what_is_valid(llama_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"lora.rank=4 \(from the command line\) adapts a pretrained model: set "
                                           r"model.hf_path"):
         load_config(["--lora.rank", "4"])
+    with pytest.raises(ConfigError, match=r"lora.rank=4 \(from the command line\) with parallelism.tp=2 \(from "
+                                          r"the command line\): LoRA adapters are not tensor-parallel here.*set "
+                                          r"parallelism.tp = 1"):
+        load_config(["--lora.rank", "4", "--model.hf_path", str(llama_dir), "--parallelism.tp", "2"])
 
 
 def test_planner_counts_adapter_state_only_and_a_bf16_base(llama_dir):

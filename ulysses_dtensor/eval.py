@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .data import DataError
 from .runtime import exit_process
-from .trainer.cli import exit_on_user_error
+from .trainer.cli import exit_on_known_error
 from .trainer.config_schema import ConfigError
 
 
@@ -70,6 +70,7 @@ def evaluate(argv: list[str]) -> list[dict]:
         publish,
         split_for_eval,
     )
+    from .trainer.comm_phases import CommPhases
     from .trainer.loop import init_distributed, resolve_vocab_size
 
     own, rest = _own_flags(argv)
@@ -92,10 +93,15 @@ def evaluate(argv: list[str]) -> list[dict]:
     if problem:
         raise DataError(problem)
 
-    device, owns_group = init_distributed(cpu_collectives=cfg.memory.offload_params)
+    # The whole evaluation waits for peers under comm.init_timeout_seconds; a lost one: one line.
+    phases = CommPhases(cfg.comm)
+    with phases.lost_peer_as_error():
+        device, owns_group = init_distributed(cfg.memory.offload_params, cfg.comm.init_timeout_seconds)
+    phases.sets_timeouts = owns_group
     context = finish_together() if owns_group else contextlib.nullcontext()
-    with context:
+    with phases.lost_peer_as_error(), context:
         pmesh = dims.build_mesh(device.type)
+        phases.enter("evaluation", long=True)
         model, train_state = model_for_eval(cfg, pmesh, device, vocab_size, checkpoint)
         # Our checkpoints record what they trained on; an HF model's pretraining data is unknown.
         mismatch = checkpoint is not None and held_out_mismatch(cfg, train_source, train_state)
@@ -128,10 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    with exit_on_user_error():
+    with exit_on_known_error():
         evaluate(argv)
     return 0
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    # A finished rank, or one that reported why it stops, exits without interpreter
+    # teardown (see runtime.exit_process; after a lost peer the teardown only adds noise).
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    exit_process(code)

@@ -2,7 +2,11 @@
 
 Also runs without torchrun, as a single process (world of one). A bad config
 or unusable data exits with status 2 and one message on stderr, before any
-dump folder or checkpoint folder is created.
+dump folder or checkpoint folder is created; so does a checkpoint that cannot be
+loaded. A rank whose peer died or went silent (``[comm]`` timeouts) exits with
+status 1 and one line naming the step and the collective, for torchrun to
+restart the job (``--max_restarts``; it resumes from the newest complete
+checkpoint) or stop it.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from .runtime import exit_process
-from .trainer.cli import exit_on_user_error
+from .trainer.cli import exit_on_known_error
 from .trainer.config import config_help, load_config
 
 
@@ -19,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(config_help())
         return 0
-    with exit_on_user_error():
+    with exit_on_known_error():
         cfg = load_config(argv)
         from .trainer.loop import train
 
@@ -28,5 +32,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # A finished rank exits without interpreter teardown (see runtime.exit_process).
-    exit_process(main())
+    # A finished rank, or one that reported why it stops, exits without interpreter
+    # teardown (see runtime.exit_process; after a lost peer the teardown only adds noise).
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    exit_process(code)

@@ -18,16 +18,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..tensor_parallel import sum_grad_over
+
 __all__ = ["RMSNorm", "rms_norm"]
 
-# Tokens per chunk: bounds each float32 temporary to CHUNK_TOKENS x dim x 4 bytes
-# (256 MiB at dim 4096), small next to a long sequence, large enough that the
-# per-chunk kernel launches do not matter.
-CHUNK_TOKENS = 16384
+# Elements per chunk: bounds each float32 temporary to 256 MiB (16K tokens at dim
+# 4096), small next to a long sequence, large enough that the per-chunk kernel
+# launches do not matter -- also for q/k norms over one head's dim, whose rows are
+# heads x tokens (a chunk of rows, not of tokens, would launch 32x more kernels).
+CHUNK_ELEMENTS = 1 << 26
 
 
-def _chunks(n: int) -> list[tuple[int, int]]:
-    return [(i, min(i + CHUNK_TOKENS, n)) for i in range(0, n, CHUNK_TOKENS)]
+def _chunks(n: int, dim: int) -> list[tuple[int, int]]:
+    rows = max(1, CHUNK_ELEMENTS // dim)
+    return [(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
 def _up(x: Tensor) -> Tensor:
@@ -62,7 +66,7 @@ class _RMSNormFunction(torch.autograd.Function):
         dtype = torch.result_type(x, weight) if cast_first else x.dtype
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
         out2 = out.view(x2.shape)
-        for a, b in _chunks(x2.shape[0]):
+        for a, b in _chunks(*x2.shape):
             xf = _up(x2[a:b])
             r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
             rstd[a:b] = r
@@ -81,7 +85,7 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_x2 = None if grad_x is None else grad_x.view(x2.shape)
         grad_w = torch.zeros(weight.shape, dtype=rstd.dtype, device=weight.device)
         scale = None if cast_first else _scale(weight, offset)
-        for a, b in _chunks(x2.shape[0]):
+        for a, b in _chunks(*x2.shape):
             n = _normalized(x2[a:b], rstd[a:b])
             g = g2[a:b]
             if cast_first:
@@ -117,7 +121,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: float = 0.0, cast
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 whatever the activation dtype (see module doc)."""
+    """RMSNorm computed in float32 whatever the activation dtype (see module doc).
+
+    ``sp_grad_group`` (set by tensor parallelism for a norm over one head's dim,
+    which sees only its rank's heads): the process group the weight's gradient is
+    summed over.
+    """
+
+    sp_grad_group = None
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -125,7 +136,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, sum_grad_over(self.weight, self.sp_grad_group), self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

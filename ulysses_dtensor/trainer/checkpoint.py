@@ -22,12 +22,18 @@ FSDP2 (DTensor) shards are saved as shards and loaded into whatever mesh the
 resuming run has. With ``trainable_only`` (LoRA: a frozen base read from its
 own files) only the parameters that train, and their optimizer state, are saved
 and loaded; the frozen ones are the loading model's own.
+
+A checkpoint that cannot be loaded (a damaged file, a model the config changed)
+raises :class:`CheckpointError` on every rank, naming the folder, the rank and
+the cause in one line: a torchrun restart would meet it again, so the entry
+point shows it once instead of a DCP traceback per rank and attempt.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -37,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,7 +52,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["CheckpointManager", "COMPLETE_MARKER", "MODEL_INFO_FILE", "complete_steps",
+from ..lost_peer import is_peer_failure
+
+__all__ = ["CheckpointManager", "CheckpointError", "COMPLETE_MARKER", "MODEL_INFO_FILE", "complete_steps",
            "load_model_weights"]
 
 COMPLETE_MARKER = "COMPLETE"
@@ -57,6 +66,10 @@ _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
 def _options(trainable_only: bool) -> StateDictOptions:
     # strict=False: the frozen parameters are not in a trainable-only checkpoint.
     return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+class CheckpointError(RuntimeError):
+    """A complete checkpoint that cannot be loaded; the message names it and the cause."""
 
 
 def _rank() -> int:
@@ -87,6 +100,25 @@ def _single_process_ok():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+class _NoMetadataFallbackTracebacks(logging.Filter):
+    """DCP (torch 2.13) logs each failed metadata read on the ROOT logger with its
+    traceback, on every rank; when the load fails, CheckpointError says why in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.module == "state_dict_loader" and "metadata is not found" in record.getMessage())
+
+
+@contextlib.contextmanager
+def _dcp_load_quietly():
+    with _single_process_ok():
+        root, quiet = logging.getLogger(), _NoMetadataFallbackTracebacks()
+        root.addFilter(quiet)
+        try:
+            yield
+        finally:
+            root.removeFilter(quiet)
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -198,13 +230,39 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- load
     def load(self, step: int, model: torch.nn.Module, optimizer) -> dict:
-        """Load the checkpoint of ``step`` into model/optimizer; return its train_state."""
+        """Load the checkpoint of ``step`` into model/optimizer; return its train_state.
+
+        Raises :class:`CheckpointError` on every rank when any rank fails to load it.
+        """
         path = self.path(step)
         if not (path / COMPLETE_MARKER).is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})")
+        state, problem = None, None
+        try:
+            state = self._load(path, model, optimizer)
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            if is_peer_failure(e):
+                raise
+            problem = _cause(e)
+        problems = [problem]
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank learns every rank's verdict
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+        bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if bad:
+            rank, cause = bad[0]
+            on = f" (on rank {rank})" if len(problems) > 1 and len(bad) < len(problems) else ""
+            raise CheckpointError(
+                f"{path} cannot be loaded{on}: {cause}; it is the newest complete checkpoint of "
+                f"{self.folder}, so every restart meets it again: move it out of that folder to resume "
+                f"from the one before, or start the job in another job.dump_folder"
+            )
+        return state
+
+    def _load(self, path: Path, model: torch.nn.Module, optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
         state = {"model": model_sd, "optim": optim_sd}
-        with _single_process_ok():
+        with _dcp_load_quietly():
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
@@ -214,6 +272,14 @@ class CheckpointManager:
             _set_rng_state(torch.load(rng, weights_only=True))
         with open(path / "train_state.json") as fh:
             return json.load(fh)
+
+
+def _cause(exc: BaseException) -> str:
+    """One line for why a load failed: the first failing rank's exception under DCP's wrapper."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = exc.failures[min(exc.failures)][0]
+    words = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {words[:300]}" if words else type(exc).__name__
 
 
 def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, *, trainable_only: bool = False) -> None:

@@ -100,6 +100,9 @@ class Parallelism:
     ring: int = _f(1, "ring-attention degree inside sp: sp = ring x ulysses, the Ulysses "
                       "all-to-all within groups of sp/ring consecutive ranks (a node), the ring "
                       "across them (1: Ulysses only)")
+    tp: int = _f(1, "tensor-parallel degree: the innermost ranks split each block's weights (heads, "
+                    "MLP width) with PyTorch's Colwise/RowwiseParallel; world = dp_replicate x dp_shard "
+                    "x sp x tp (1: none)")
 
 
 @dataclass
@@ -174,6 +177,16 @@ class Checkpoint:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: int = _f(
+        600, "seconds any collective may wait for a peer rank during start-up (process group, checkpoint "
+        "load), the first step after a (re)start, checkpoint saves, evaluation and the final barrier")
+    train_timeout_seconds: int = _f(
+        300, "seconds any collective may wait for a peer rank in the other steps; a rank whose peer died "
+        "or hangs exits after this long with one line, so torchrun can restart the job or stop it")
+
+
+@dataclass
 class ActivationCheckpoint:
     mode: str = _f("none", "activation checkpointing", ("none", "full", "selective"))
     selective: str = _f("op", "selective AC: 'op' (save matmuls) or every Nth layer, e.g. '2'")
@@ -184,7 +197,7 @@ class Memory:
     tiled_mlp: bool = _f(False, "compute each MLP over sequence tiles (no whole (seq, ffn) tensors)")
     mlp_tiles: int = _f(0, "MLP tiles (0: from the shapes, about seq*ffn/dim^2)")
     tiled_loss: bool = _f(False, "compute logits + loss over sequence chunks (no whole (seq, vocab) logits)")
-    loss_chunks: int = _f(0, "loss chunks (0: from the shapes)")
+    loss_chunks: int = _f(0, "loss chunks (0: from the shapes, at most 1 GiB of float32 logits each)")
     offload_activations: bool = _f(
         False, "keep checkpointed block inputs in pinned host memory (needs activation_checkpoint.mode='full')"
     )
@@ -248,6 +261,7 @@ class JobConfig:
     context: Context = field(default_factory=Context)
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     memory: Memory = field(default_factory=Memory)
     lora: Lora = field(default_factory=Lora)

@@ -28,6 +28,7 @@ from ..evaluation.heldout import split_held_out
 from ..evaluation.runner import EvalResult, Evaluator, spec_from
 from ..evaluation.tasks import min_length
 from .config_schema import ConfigError, JobConfig
+from .metrics import drop_rows_after
 
 __all__ = ["split_for_eval", "check_eval_setup", "check_held_out_data", "eval_lengths",
            "PeriodicEval", "model_for_eval", "held_out_mismatch"]
@@ -108,15 +109,21 @@ def held_out_mismatch(cfg: JobConfig, train_source: DocumentSource, train_state:
 
 
 class PeriodicEval:
-    """The trainer's hook: every ``eval.interval`` steps and at the last step."""
+    """The trainer's hook: every ``eval.interval`` steps and at the last step.
+
+    A run resumed at ``resume_step`` drops the ``eval.jsonl`` rows of later steps
+    (an attempt that died after them logged them; they are evaluated again).
+    """
 
     def __init__(self, cfg: JobConfig, model, pmesh, tokenizer, device: torch.device,
-                 held_out: DocumentSource | None, tb_writer=None):
+                 held_out: DocumentSource | None, tb_writer=None, resume_step: int = 0):
         self.cfg = cfg
         self.interval = cfg.eval.interval
         self.total_steps = cfg.training.steps
         self.folder = cfg.dump_folder / "eval"
         self.tb = tb_writer
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            drop_rows_after(self.folder / "eval.jsonl", resume_step)
         loss_chunks = cfg.memory.loss_chunks if cfg.memory.tiled_loss and cfg.memory.loss_chunks else None
         self.evaluator = Evaluator(model, pmesh, tokenizer, spec_from(cfg.eval, loss_chunks=loss_chunks),
                                    device, held_out)

@@ -21,23 +21,27 @@ import json
 import os
 import statistics
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..batch import shard_batch
 from ..comm_timing import ExchangeTimer, exchange_metrics
+from ..restarts import process_group_store, restart_store_problem
 from ..runtime import finish_together, process_group_backend
 from ..data import build_tokenizer, padded_vocab_size
 from ..loss import count_valid_tokens, global_loss
 from ..models.rope import RopeConfig
 from ..schedule import LRSchedule
 from .checkpoint import CheckpointManager
+from .comm_phases import CommPhases
 from ..data_checks import DataError
 from .config import ConfigError, JobConfig, inactive_settings, model_args, validate_config
 from .config_checks import check_attention_kernel
 from .data_setup import build_training_data
 from .eval_setup import PeriodicEval, check_eval_setup
+from .fault_injection import inject_test_fault
 from .hf_start import model_info, tokenizer_spec
 from .lora_setup import flops_per_token as lora_flops_per_token
 from .lora_setup import uses_lora
@@ -50,13 +54,16 @@ __all__ = ["train", "init_distributed", "resolve_vocab_size"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def init_distributed(cpu_collectives: bool = False) -> tuple[torch.device, bool]:
+def init_distributed(cpu_collectives: bool = False, timeout_s: float | None = None) -> tuple[torch.device, bool]:
     """Start the process group from torchrun's env (or a world of one).
 
     nccl + this process's LOCAL_RANK GPU when CUDA is present, else gloo + CPU.
     ``cpu_collectives``: on CUDA also give the group a gloo backend for CPU
     tensors (host-offloaded parameters meet in the gradient-norm reduction).
-    Returns (device, whether this call created the group).
+    ``timeout_s``: how long the start and the default group's collectives may
+    wait for a peer (None: torch's default). Under a torchrun agent that shares
+    its store, the group's keys go under this restart attempt's prefix (see
+    :mod:`ulysses_dtensor.restarts`). Returns (device, whether this call created the group).
     """
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -73,8 +80,12 @@ def init_distributed(cpu_collectives: bool = False) -> tuple[torch.device, bool]
                 f"backend={process_group_backend('cuda', True)!r}"
             )
         return device, False
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        attempt = process_group_store(timeout or dist.default_pg_timeout)
+        start = {} if attempt is None else dict(zip(("store", "rank", "world_size"), attempt))
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                **start)
     else:  # plain `python -m ulysses_dtensor.train`: a world of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return device, True
@@ -187,12 +198,16 @@ def train(cfg: JobConfig) -> list[dict]:
         cfg.lr_scheduler.min_lr_ratio,
     )
 
-    device, owns_group = init_distributed(cpu_collectives=cfg.memory.offload_params)
-    args = (cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, held_out)
-    if not owns_group:  # a caller's group: leave its lifetime to the caller
-        return _run(*args)
-    with finish_together():
-        return _run(*args)
+    # A collective whose peer died or went silent ends the run with one PeerLostError.
+    phases = CommPhases(cfg.comm)
+    with phases.lost_peer_as_error():
+        device, owns_group = init_distributed(cfg.memory.offload_params, cfg.comm.init_timeout_seconds)
+        args = (cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, held_out, phases)
+        if not owns_group:  # a caller's group: leave its lifetime and timeouts to the caller
+            return _run(*args)
+        phases.sets_timeouts = True
+        with finish_together():
+            return _run(*args)
 
 
 def _check_data_on_rank0(data, tokenizer, schedule, device) -> None:
@@ -206,12 +221,13 @@ def _check_data_on_rank0(data, tokenizer, schedule, device) -> None:
         raise DataError(verdict[0])
 
 
-def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, held_out) -> list[dict]:
+def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, held_out, phases) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     # Before anything is built or written: a bad corpus stops the run here.
     _check_data_on_rank0(data, tokenizer, schedule, device)
     torch.manual_seed(cfg.job.seed)
     pmesh = dims.build_mesh(device.type)
+    phases.enter("start-up", long=True)  # the mesh's groups get the start-up timeout too
 
     ckpt = CheckpointManager(
         cfg.checkpoint_folder,
@@ -233,6 +249,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
     start_step, data_state = 0, None
     if ckpt.enable:
         if latest is not None:
+            phases.enter("checkpoint load", long=True)
             state = ckpt.load(latest, model, optimizer)
             data_state = state["data"]
             start_step = int(state["step"])
@@ -264,11 +281,13 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
     # The exchanges' share of step time (eager only: compiled blocks cannot carry the timer).
     timed = cfg.metrics.exchange_timing and dims.sp > 1 and not cfg.training.compile
     timer = ExchangeTimer(device) if timed else None
+    restart_note = restart_store_problem()  # several torchrun agents that cannot restart cleanly
     _print0(
         f"{cfg.job.description or 'ulysses_dtensor training'}\n"
         f"  world {world} on {device.type}: dp_replicate={dims.dp_replicate} "
         f"dp_shard={dims.dp_shard} sp={dims.sp}"
-        f"{f' (ring {dims.ring} x ulysses {dims.ulysses})' if dims.ring > 1 else ''}\n"
+        f"{f' (ring {dims.ring} x ulysses {dims.ulysses})' if dims.ring > 1 else ''}"
+        f"{f' tp={dims.tp}' if dims.tp > 1 else ''}\n"
         f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
         f"  implementation {_implementation_banner(cfg)}\n"
@@ -278,6 +297,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
         f"  {_eval_banner(cfg, held_out)}; {_timing_banner(cfg, dims.sp, timer is not None)}"
         + "".join(f"\n  not in effect: {note}" for note in inactive_settings(cfg))
+        + (f"\n  warning: {restart_note}" if restart_note else "")
     )
     if rank == 0:
         cfg.dump_folder.mkdir(parents=True, exist_ok=True)
@@ -298,13 +318,16 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
 
     evaluation = None
     if cfg.eval.interval:
-        evaluation = PeriodicEval(cfg, model, pmesh, tokenizer, device, held_out, metrics.tb)
+        evaluation = PeriodicEval(cfg, model, pmesh, tokenizer, device, held_out, metrics.tb,
+                                  resume_step=start_step)
     recent_step_times: list[float] = []
 
     rows: list[dict] = []
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.training.max_norm or float("inf")
     for step in range(start_step + 1, cfg.training.steps + 1):
+        # The first step after a (re)start may compile and set up communicators: the long timeout.
+        phases.enter("training step", step, long=step == start_step + 1)
         t0 = time.perf_counter()
         seq_len, batch_size = schedule.seq_len(step), schedule.batch_size(step)
         rope = ropes[schedule.stage_index(step)] if ropes else None
@@ -359,10 +382,13 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         if row is not None:
             rows.append(row)
         if evaluation is not None and evaluation.due(step):
+            phases.enter("evaluation", step, long=True)
             evaluation.run(step, seq_len, step_seconds=statistics.median(recent_step_times))
             recent_step_times.clear()
+            dist.barrier()  # rank 0 writes the report and plots: the next step's short timeout starts together
 
         if ckpt.should_save(step, cfg.training.steps):
+            phases.enter("checkpoint save", step, long=True)
             ckpt.save(
                 step,
                 model,
@@ -382,6 +408,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
                 model_info={**info, **(trained_rope_info(schedule, ropes, step) if ropes else {})},
             )
             _print0(f"saved checkpoint {ckpt.path(step)}")
+        inject_test_fault(step, cfg.dump_folder)  # only with ULYSSES_DTENSOR_TEST_FAULT set (tests)
+    phases.enter("the final barrier", long=True)  # ranks finish their last save / eval at different times
     loader.close()
     metrics.close()
     return rows

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["MetricsLogger", "peak_flops_for", "peak_memory_gib", "progress_bar"]
+__all__ = ["MetricsLogger", "drop_rows_after", "peak_flops_for", "peak_memory_gib", "progress_bar"]
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 TENSORBOARD_MSG = (
@@ -82,6 +82,29 @@ def _fmt_count(x: float) -> str:
     return f"{x:.0f}"
 
 
+def drop_rows_after(path: Path, step: int) -> int:
+    """Drop the rows of ``path`` (JSON lines with a ``step``) past ``step``; return how many.
+
+    A run resumed from the checkpoint of ``step`` trains the later steps again:
+    the rows a killed attempt logged for them are replaced, never doubled.
+    """
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    with open(path) as fh:
+        for line in fh:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+                else:
+                    dropped += 1
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    with open(path, "w") as fh:
+        fh.writelines(keep)
+    return dropped
+
+
 def max_over_ranks(value: float, device: torch.device) -> float:
     """The largest ``value`` of any rank (a collective when the world has several)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -93,7 +116,14 @@ def max_over_ranks(value: float, device: torch.device) -> float:
 
 class MetricsLogger:
     """Rank 0 writes. Every rank calls :meth:`log` each step (with its own
-    numbers): the per-device memory is a maximum over the ranks."""
+    numbers): the per-device memory is a maximum over the ranks.
+
+    A run that continues a dump folder (``resume_step`` > 0, or rows there from an
+    attempt that died before its first checkpoint) drops the rows past
+    ``resume_step`` and marks its first row with ``resumed_from_step`` and
+    ``rows_replaced`` (how many rows of the steps it trains again were dropped):
+    where a restart happened, and nothing logged twice.
+    """
 
     def __init__(
         self,
@@ -120,31 +150,21 @@ class MetricsLogger:
         self.show_progress = show_progress
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.tb = None
+        self._resume_mark: dict = {}
         if rank != 0:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._truncate_after(resume_step)
+        replaced = drop_rows_after(self.path, resume_step)
+        if resume_step or replaced:
+            self._resume_mark = {"resumed_from_step": resume_step, "rows_replaced": replaced}
         if enable_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ImportError(TENSORBOARD_MSG) from None
-            self.tb = SummaryWriter(log_dir=str(Path(dump_folder) / "tb"))
-
-    def _truncate_after(self, step: int) -> None:
-        """Drop rows past the resumed step (a killed run may have logged them)."""
-        if not self.path.exists():
-            return
-        keep = []
-        with open(self.path) as fh:
-            for line in fh:
-                try:
-                    if json.loads(line)["step"] <= step:
-                        keep.append(line)
-                except (json.JSONDecodeError, KeyError):
-                    continue
-        with open(self.path, "w") as fh:
-            fh.writelines(keep)
+            # purge_step hides the events a killed attempt wrote for the steps trained again.
+            purge = {"purge_step": resume_step + 1} if self._resume_mark else {}
+            self.tb = SummaryWriter(log_dir=str(Path(dump_folder) / "tb"), **purge)
 
     def log(
         self,
@@ -185,6 +205,8 @@ class MetricsLogger:
         }
         if extra:
             row.update(extra)
+        row.update(self._resume_mark)
+        self._resume_mark = {}
         with open(self.path, "a") as fh:
             fh.write(json.dumps(_finite(row)) + "\n")
         if self.tb is not None:
