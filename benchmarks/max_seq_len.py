@@ -81,16 +81,19 @@ def heads(model: str) -> tuple[int, int]:
     return shape.n_heads, shape.n_kv_heads
 
 
-def layout(flavor: str, gpus: int, ulysses: int = 0) -> tuple[int, int, int]:
-    """(sp, dp_shard, ring) on ``gpus`` GPUs.
+def layout(flavor: str, gpus: int, ulysses: int = 0, tp: int = 1) -> tuple[int, int, int]:
+    """(sp, dp_shard, ring) on ``gpus`` GPUs, ``tp`` of them splitting each block's weights.
 
-    Ulysses only (``ulysses=0``): the largest sp the heads allow, ring 1.
-    USP (``ulysses=N``): every GPU in sp, Ulysses over N (a node), ring = gpus / N.
+    Ulysses only (``ulysses=0``): the largest sp the heads of a tp rank allow, ring 1.
+    USP (``ulysses=N``): every GPU in sp (x tp), Ulysses over N, ring = gpus / (N x tp).
     """
     n_heads, n_kv = heads(flavor)
+    if gpus % tp or n_heads % tp or n_kv % tp:
+        raise SystemExit(f"--tp {tp} must divide the GPU count {gpus}, the heads {n_heads} and kv heads {n_kv}")
+    gpus, n_heads, n_kv = gpus // tp, n_heads // tp, n_kv // tp
     if ulysses:
         if gpus % ulysses:
-            raise SystemExit(f"--ulysses {ulysses} must divide the GPU count {gpus}")
+            raise SystemExit(f"--ulysses {ulysses} must divide the GPU count / tp, {gpus}")
         return gpus, 1, gpus // ulysses
     best = 1
     for sp in range(1, gpus + 1):
@@ -101,8 +104,9 @@ def layout(flavor: str, gpus: int, ulysses: int = 0) -> tuple[int, int, int]:
     return best, gpus // best, 1
 
 
-def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0):
-    sp, dp_shard, ring = layout(flavor, gpus, ulysses)
+def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0, mlp_tiles: int = 0,
+                tp: int = 1):
+    sp, dp_shard, ring = layout(flavor, gpus, ulysses, tp)
     if flavor in HF_MODELS:
         model = ["--model.hf_path", str(HF_CONFIGS / flavor), "--model.implementation", "transformers"]
     else:
@@ -117,12 +121,15 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulys
         "--parallelism.sp", str(sp),
         "--parallelism.dp_shard", str(dp_shard),
         "--parallelism.ring", str(ring),
+        "--parallelism.tp", str(tp),
     ]
     feats = FEATURES[features]
     if quick:
         # A dim-64 model would get hundreds of automatic tiles: keep the smoke run quick.
         argv += ["--memory.mlp_tiles", "4"] if feats.get("tiled_mlp") else []
         argv += ["--memory.loss_chunks", "4"] if feats.get("tiled_loss") else []
+    if mlp_tiles and feats.get("tiled_mlp"):
+        argv += ["--memory.mlp_tiles", str(mlp_tiles)]
     for key, value in feats.items():
         argv += [f"--memory.{key}", "true" if value is True else str(value)]
     return load_config(argv), sp, dp_shard, ring
@@ -146,9 +153,10 @@ def stamp() -> dict:
 
 
 def run_one(flavor, gpus, features, ns, log) -> dict:
-    cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses)
+    cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp)
     usp = f" = ring {ring} x ulysses {sp // ring}" if ring > 1 else ""
-    log(f"{flavor} on {gpus} GPU(s) (sp {sp}{usp} x dp_shard {dp_shard}), {features}:")
+    tp = f" x tp {ns.tp}" if ns.tp > 1 else ""
+    log(f"{flavor} on {gpus} GPU(s) (sp {sp}{usp} x dp_shard {dp_shard}{tp}), {features}:")
     res = find_max_seq_len(
         cfg, gpus, budget_gib=ns.budget_gib, headroom_gib=ns.headroom_gib,
         granularity=ns.granularity, rows=1, device="cuda", layers=ns.layers,
@@ -166,7 +174,9 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
         "dp_shard": dp_shard,
         "ring": ring,
         "ulysses": sp // ring,
+        "tp": ns.tp,
         "features": features,
+        "mlp_tiles": ns.mlp_tiles or "auto",
         "budget_gib": ns.budget_gib,
         "headroom_gib": ns.headroom_gib,
         "planned_max_seq_len": res.max_seq_len,
@@ -194,7 +204,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
 
 def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
     """Extrapolated (4/5/6-layer traces) vs full trace at one length."""
-    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp)
     unit = ns.granularity * sp
     seq_len = max(unit, seq_len // unit * unit)
     full = plan_memory(cfg, gpus, seq_len, rows=1, layers="full")
@@ -216,7 +226,7 @@ def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
 def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
     """Planned peak at fixed lengths (for the memory-vs-length plot)."""
     out = []
-    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp)
     for seq_len in lengths:
         unit = ns.granularity * sp
         seq_len = max(unit, seq_len // unit * unit)
@@ -247,12 +257,14 @@ def table(records: list[dict], ns) -> str:
     ]
     for m in models:
         # One row per layout: Ulysses only and USP (ring > 1) side by side.
-        for g, ring in sorted({(r["gpus"], r.get("ring", 1)) for r in rows if r["model"] == m}):
+        for g, ring, tp in sorted({(r["gpus"], r.get("ring", 1), r.get("tp", 1)) for r in rows if r["model"] == m}):
             cell = {r["features"]: r for r in rows
-                    if r["model"] == m and r["gpus"] == g and r.get("ring", 1) == ring}
+                    if r["model"] == m and r["gpus"] == g and r.get("ring", 1) == ring and r.get("tp", 1) == tp}
             any_r = next(iter(cell.values()))
             alst = ALST.get(m, {}).get(g)
             sp = f"{any_r['sp']} ({ring} ring x {any_r['sp'] // ring} ulysses)" if ring > 1 else any_r["sp"]
+            if any_r.get("tp", 1) > 1:
+                sp = f"{sp} x tp {any_r['tp']}"
             out.append(
                 f"| {m} | {g} | {sp} x {any_r['dp_shard']} | "
                 + " | ".join(fmt_tokens(cell[f]["planned_max_seq_len"]) if f in cell else "-" for f in feats)
@@ -335,6 +347,13 @@ def main(argv=None) -> int:
                    help="two lengths (tokens) expected to straddle the answer: planned first, they "
                         "seed the search (e.g. from a neighbouring layout's result)")
     p.add_argument("--layers", choices=("auto", "full", "extrapolate"), default="auto")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel degree: N GPUs of each node split every block's weights; sp from the rest")
+    p.add_argument("--mlp-tiles", type=int, default=0, metavar="N",
+                   help="plan with N MLP tiles per layer (memory.mlp_tiles) instead of the automatic count "
+                        "(tiles about dim^2/ffn tokens long, hundreds per layer at long context, each traced): "
+                        "larger tiles can only add to the peak, so the planned length is a lower bound of the "
+                        "automatic one, and a config with memory.mlp_tiles = N trains exactly what was planned")
     p.add_argument("--no-confirm", nargs="*", metavar="FEATURES", default=None,
                    help="keep extrapolated plans at the boundary (no full-trace re-plan), for these "
                         "feature sets (none given: all)")

@@ -4,8 +4,10 @@ Writes an offline tokenizer and text dataset, makes one seed checkpoint, then
 runs ``torchtitan.train --module ulysses_dtensor.integrations.torchtitan
 --config <config>`` twice from it for a few steps: one process with
 ``ulysses.degree 1``, and ``--nproc`` processes with ``ulysses.degree
-<nproc>``. Prints one JSON object with both loss / grad-norm trajectories and
-exits non-zero when they differ by more than the tolerance.
+<nproc / (tp x pp)>`` and torchtitan's own tensor / pipeline / expert
+parallelism (``--tp``, ``--pp``, ``--ep``). Prints one JSON object with both
+loss / grad-norm trajectories and exits non-zero when they differ by more than
+the tolerance.
 
 On CUDA the runs are the unmodified ``python -m torchtitan.train`` under
 torchrun (the README launch line). torchtitan's trainer has no CPU path (it
@@ -14,6 +16,9 @@ file with ``--worker``, which points torchtitan's device helpers at the CPU and
 gloo before starting its trainer: a check harness, not part of the plug-in.
 
     python scripts/torchtitan_check.py --nproc 2            # CPU: about a minute
+    python scripts/torchtitan_check.py --nproc 4 --tp 2     # tp 2 x sp 2
+    python scripts/torchtitan_check.py --nproc 4 --pp 2     # pp 2 x sp 2 (torchtitan's 1F1B)
+    python scripts/torchtitan_check.py --nproc 4 --ep 2 --config qwen3_moe_debug_ulysses
     python scripts/torchtitan_check.py --nproc 8 --bf16     # 8 GPUs, mixed precision
 """
 
@@ -100,9 +105,11 @@ def trajectory(log: str) -> list[tuple[int, float, float]]:
 
 
 def torchrun(nproc: int, args: list[str], cuda: bool) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    # The last rank logs: under pipeline parallelism only the last stage holds the loss.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--local-ranks-filter={nproc - 1}"]
     cmd += ["-m", "torchtitan.train"] if cuda else [os.path.abspath(__file__), "--worker"]
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", LOG_RANK="0")
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", LOG_RANK=str(nproc - 1))
     done = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode:
         raise SystemExit(f"torchrun failed ({done.returncode}): {' '.join(cmd + args)}\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
@@ -114,7 +121,10 @@ def main() -> None:
         run_worker(sys.argv[2:])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nproc", type=int, default=2, help="ranks of the Ulysses run (ulysses.degree)")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks of the Ulysses run (ulysses.degree x tp x pp)")
+    ap.add_argument("--tp", type=int, default=1, help="torchtitan's tensor_parallel_degree in the Ulysses run")
+    ap.add_argument("--pp", type=int, default=1, help="torchtitan's pipeline_parallel_degree in the Ulysses run")
+    ap.add_argument("--ep", type=int, default=1, help="torchtitan's expert_parallel_degree in the Ulysses run")
     ap.add_argument("--config", default="llama3_debugmodel_ulysses")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -143,24 +153,28 @@ def main() -> None:
         seed_dir = os.path.join(root, "seed")
         torchrun(1, common + ["--dump_folder", seed_dir, "--ulysses.degree", "1",
                               "--checkpoint.create_seed_checkpoint", "--training.steps", "1"], cuda)
+        sp = opts.nproc // (opts.tp * opts.pp)
+        parallel = ["--parallelism.tensor_parallel_degree", str(opts.tp), "--parallelism.pipeline_parallel_degree",
+                    str(opts.pp), "--parallelism.expert_parallel_degree", str(opts.ep)]
         runs = {}
-        for nproc in (1, opts.nproc):
-            run_dir = os.path.join(root, f"sp{nproc}")
+        for nproc, degree, extra in ((1, 1, []), (opts.nproc, sp, parallel)):
+            run_dir = os.path.join(root, f"run{nproc}")
             shutil.copytree(os.path.join(seed_dir, "ckpt"), os.path.join(run_dir, "ckpt"))
-            log = torchrun(nproc, common + ["--dump_folder", run_dir, "--ulysses.degree", str(nproc),
-                                            "--training.steps", str(opts.steps)], cuda)
+            log = torchrun(nproc, common + extra + ["--dump_folder", run_dir, "--ulysses.degree", str(degree),
+                                                    "--training.steps", str(opts.steps)], cuda)
             runs[nproc] = trajectory(log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    ref, sp = runs[1], runs[opts.nproc]
-    ok = len(ref) == len(sp) == opts.steps and all(
-        abs(a[1] - b[1]) <= rtol * abs(a[1]) for a, b in zip(ref, sp)
+    ref, run = runs[1], runs[opts.nproc]
+    ok = len(ref) == len(run) == opts.steps and all(
+        abs(a[1] - b[1]) <= rtol * abs(a[1]) for a, b in zip(ref, run)
     )
     print(json.dumps({
         "device": torch.cuda.get_device_name() if cuda else "cpu (gloo, check harness)",
         "torch": torch.__version__, "config": opts.config, "nproc": opts.nproc,
-        "bf16": opts.bf16, "rtol": rtol, "sp1": ref, f"sp{opts.nproc}": sp, "match": ok,
+        "mesh": {"sp": sp, "tp": opts.tp, "pp": opts.pp, "ep": opts.ep},
+        "bf16": opts.bf16, "rtol": rtol, "one_rank": ref, f"ranks{opts.nproc}": run, "match": ok,
     }))
     sys.exit(0 if ok else 1)
 

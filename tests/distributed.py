@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import queue
 import shutil
@@ -53,7 +54,17 @@ def destroy_subgroups() -> None:
     for pg in list(dist.distributed_c10d._world.pg_map):
         if pg is not world:
             dist.destroy_process_group(pg)
+    _free_destroyed_groups()
     _clear_sharding_cache()
+
+
+def _free_destroyed_groups() -> None:
+    # destroy_process_group only unregisters a group: its sockets and threads go
+    # when the object is freed, and the task's modules (FSDP state, meshes) hold
+    # it in reference cycles that only a full collection breaks. Left to gc's own
+    # schedule, hundreds of dead groups piled up per rank, their loops spinning
+    # on sockets the peers had closed (load averages over 100 on 2 cores).
+    gc.collect()
 
 
 def _clear_sharding_cache() -> None:
@@ -78,6 +89,7 @@ def _reset_between_tasks() -> None:
     for pg in list(dist.distributed_c10d._world.pg_map):
         if pg is not world:
             dist.destroy_process_group(pg)
+    _free_destroyed_groups()
     torch._dynamo.reset()
     _clear_sharding_cache()
     torch.set_default_dtype(torch.float32)

@@ -83,7 +83,9 @@ def _usp_pmesh(world: int, dp_shard: int, ring: int, ulysses: int) -> ParallelMe
     return ParallelDims(1, dp_shard, ring * ulysses, world_size=world, ring=ring).build_mesh("cpu")
 
 
-def _run(family: str, pmesh: ParallelMesh, opts: dict) -> tuple[float, dict, dict]:
+def _run(family: str, pmesh: ParallelMesh, opts: dict, count: bool = False) -> tuple[float, dict, dict]:
+    """Loss, every gradient (full) and what the step did, of ``family`` parallelized with
+    ``opts``; ``count`` also counts backward's collectives and notes the tp plan."""
     from ulysses_dtensor.integrations.hf import parallelize_hf_model, shard_hf_batch
 
     module, batch, moe = _kit(family)
@@ -106,11 +108,17 @@ def _run(family: str, pmesh: ParallelMesh, opts: dict) -> tuple[float, dict, dic
             # The router ran tile by tile: three runs of rows per layer, in row order.
             layers = model.config.get_text_config().num_hidden_layers
             assert len(out.router_logits) == 3 * layers, len(out.router_logits)
-    loss.backward()
+    with CollectiveCounter() as bwd:
+        loss.backward()
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor()
              for n, p in model.named_parameters() if p.grad is not None}
     info = {"fwd": fwd.counts(), "layers": model.config.get_text_config().num_hidden_layers,
             "local_tokens": labels.numel()}
+    if count:
+        from ulysses_dtensor.tensor_parallel import hf_tp_plan
+
+        info.update(bwd=bwd.counts(), fwd_all_reduce_bytes=fwd.input_bytes("all_reduce"),
+                    tp_plan=hf_tp_plan(model, "layers.*.") if pmesh.dims.tp > 1 else {})
     if opts.get("offload_activations"):
         info["offloaded"] = model.offloader.offloaded_bytes
         info["held"] = model.offloader.held

@@ -10,7 +10,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ulysses_dtensor.loss import IGNORE_INDEX, sp_cross_entropy
 from ulysses_dtensor.offload import HostOffloader, OffloadedCheckpointBlock
-from ulysses_dtensor.tiling import TiledMLP, auto_num_tiles, tiled_sp_cross_entropy
+from ulysses_dtensor.tiling import TiledMLP, auto_loss_chunks, auto_num_tiles, tiled_sp_cross_entropy
 
 DIM, FFN, VOCAB = 16, 64, 96
 
@@ -92,6 +92,9 @@ def test_auto_num_tiles():
     assert auto_num_tiles(4096, 14336, 4096) == 4  # seq 4K on Llama-3-8B: 4 tiles
     assert auto_num_tiles(16, 64, 16) == 4
     assert auto_num_tiles(1, 64, 4096) == 1
+    # Loss chunks: at most 1 GiB of float32 logits each (Llama-3's vocabulary: 2092 tokens).
+    assert auto_loss_chunks(2092, 128256) == 1 and auto_loss_chunks(2093, 128256) == 2
+    assert auto_loss_chunks(1, 128256) == 1
 
 
 @pytest.mark.parametrize("num_chunks", [None, 1, 5])

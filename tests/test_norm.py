@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -23,18 +25,24 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(N, "CHUNK_ELEMENTS", 7 * 16)
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_matches_the_plain_formula(small_chunks, dtype, atol):
+def _assert_matches(formula, reference, dtype, atol):
+    """Forward bitwise equal to ``reference``; gradients to float32 rounding (bf16: to its own)."""
     torch.manual_seed(0)
     x = torch.randn(3, 20, 16, dtype=dtype, requires_grad=True)
     w = torch.randn(16, dtype=dtype, requires_grad=True)
-    y, ref = rms_norm(x, w, EPS), plain(x, w)
+    y, ref = formula(x, w), reference(x, w)
+    assert y.dtype == ref.dtype
     torch.testing.assert_close(y, ref, atol=0, rtol=0)  # forward: bitwise
     g = torch.randn_like(y)
     got = torch.autograd.grad(y, (x, w), g)
     want = torch.autograd.grad(ref, (x, w), g)
     for a, b, name in zip(got, want, ("dx", "dw")):
         torch.testing.assert_close(a, b, atol=atol, rtol=atol, msg=name)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_matches_the_plain_formula(small_chunks, dtype, atol):
+    _assert_matches(lambda x, w: rms_norm(x, w, EPS), plain, dtype, atol)
 
 
 def plain_scaled(x, w, offset, eps=EPS):
@@ -47,21 +55,12 @@ def plain_scaled(x, w, offset, eps=EPS):
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_weight_in_float32_formulas_match(small_chunks, offset, dtype, atol):
-    torch.manual_seed(0)
-    x = torch.randn(3, 20, 16, dtype=dtype, requires_grad=True)
-    w = torch.randn(16, dtype=dtype, requires_grad=True)
-    y, ref = rms_norm(x, w, EPS, offset=offset, cast_first=False), plain_scaled(x, w, offset)
-    assert y.dtype == dtype
-    torch.testing.assert_close(y, ref, atol=0, rtol=0)  # forward: bitwise
-    g = torch.randn_like(y)
-    got = torch.autograd.grad(y, (x, w), g)
-    want = torch.autograd.grad(ref, (x, w), g)
-    for a, b, name in zip(got, want, ("dx", "dw")):
-        torch.testing.assert_close(a, b, atol=atol, rtol=atol, msg=name)
+    formula = functools.partial(rms_norm, eps=EPS, offset=offset, cast_first=False)
+    _assert_matches(formula, functools.partial(plain_scaled, offset=offset), dtype, atol)
     if dtype == torch.float32:
         x64 = torch.randn(2, 9, 8, dtype=torch.float64, requires_grad=True)
         w64 = torch.randn(8, dtype=torch.float64, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w, EPS, offset=offset, cast_first=False), (x64, w64))
+        assert torch.autograd.gradcheck(formula, (x64, w64))
 
 
 def test_gradcheck_float64(small_chunks):

@@ -134,14 +134,19 @@ def run_config(world: int, cfg: dict) -> dict | None:
     dims = tuple(cfg["dims"])
     flavor = cfg.get("flavor", "debug")
     overrides = tuple(sorted(cfg.get("overrides", {}).items()))
-    pmesh, replica = build_pmesh(world, dims)
+    if cfg.get("tp", 1) > 1 or cfg.get("ring", 1) > 1:  # tensor parallel / USP meshes fill the world
+        pmesh, replica = ParallelDims(*dims, world_size=world, ring=cfg.get("ring", 1), tp=cfg.get("tp", 1)
+                                      ).build_mesh("cpu"), 0
+    else:
+        pmesh, replica = build_pmesh(world, dims)
     if replica:
         # Replica 0 (rank 0's) runs the mesh: another would repeat its work on
         # other ranks, which on 2 cores only slows the ranks that matter.
         return None
     with torch.device("meta"):
         model = Llama(llama_args(flavor, **dict(overrides)))
-    opts = {k: cfg[k] for k in ("ac_mode", "selective_ac", "compile", "compile_backend", "pack_qkv") if k in cfg}
+    opts = {k: cfg[k] for k in ("ac_mode", "selective_ac", "compile", "compile_backend", "pack_qkv", "tiled_mlp",
+                                "mlp_tiles", "offload_activations") if k in cfg}
     if "param_dtype" in cfg:
         opts["param_dtype"] = getattr(torch, cfg["param_dtype"])
     parallelize_llama(model, pmesh, **opts)
@@ -219,6 +224,11 @@ def test_mesh_independence_4_ranks(tmp_path):
         {"dims": (2, 1, 2), "ac_mode": "selective", "selective_ac": "op"},
         {"dims": (1, 2, 2), "ac_mode": "selective", "selective_ac": 2, "overrides": {"tie_embeddings": True}},
         {"dims": (1, 2, 2), "param_dtype": "bfloat16"},
+        # Tensor parallelism on the innermost ranks: q/k/v and the MLP split over tp, Ulysses
+        # exchanging the heads / tp heads of a tp rank over sp (debug: 8 heads, 4 kv heads).
+        {"dims": (1, 1, 2), "tp": 2},
+        {"dims": (1, 2, 1), "tp": 2, "ac_mode": "full", "offload_activations": True, "tiled_mlp": True,
+         "mlp_tiles": 3},
         # torch.compile is not repeated here (6.5 s on 4 ranks): compiled code
         # does not see the dp dims (FSDP's hooks sit outside the compiled
         # blocks). Inductor parity runs on (1, 1, 2) below, one graph per block
@@ -238,6 +248,10 @@ def test_mesh_independence_8_ranks(tmp_path):
     configs = [
         {"dims": (2, 2, 2)},
         {"dims": (1, 1, 8)},
+        # dp_shard 2 x sp 2 x tp 2 (FSDP over dp_shard x sp of the TP shards), and the ring
+        # with TP: ring 2 x ulysses 2 x tp 2.
+        {"dims": (1, 2, 2), "tp": 2},
+        {"dims": (1, 1, 4), "ring": 2, "tp": 2, "pack_qkv": True},
     ]
     run_configs(8, configs, tmp_path)
 

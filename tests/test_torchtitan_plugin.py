@@ -11,6 +11,15 @@ process. Sequences of 29 tokens (divisible by neither 2 nor 4), packed
 documents, ignored labels; our inner attention and torchtitan's own SDPA. The
 collective count and bytes per layer are the Ulysses minimum.
 
+With torchtitan's own parallelisms on the same 4 gloo ranks, against the same
+unsharded reference: its TP plan (tp 2 x sp 2: llama3, qwen3), its expert
+parallelism (qwen3 MoE at tp 2 x ep 2 x sp 2 and dp_shard 2 x ep 2 x sp 2;
+deepseek_v3's MLA + MoE at dp_shard 2 x ep 2 x sp 2) and its pipeline
+schedules (pp 2 x sp 2: 1F1B, InterleavedZeroBubble, ZBVZeroBubble). The
+collectives are counted per mesh: Ulysses bytes of ``heads / tp`` heads over
+sp on every layer, torchtitan's TP all-gathers / reduce-scatters /
+all-reduces, five EP all-to-alls per MoE layer, nothing else.
+
 torchtitan's trainer itself needs CUDA: the ``gpu`` test runs it through our
 module (``scripts/torchtitan_check.py``, which also runs it on CPU ranks through
 a harness, too slow for this suite).
@@ -39,7 +48,12 @@ pytestmark = pytest.mark.skipif(
 SEED = 1234
 BATCH, SEQ = 2, 29
 VOCAB, DIM, HEADS, KV_HEADS, LAYERS = 128, 64, 8, 2, 2
+EXPERTS = 4
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
+# torchtitan's GroupedExperts computes in bfloat16 whatever the parameters' dtype, in the
+# reference too; token order differs per rank: torch.testing's bfloat16 tolerance.
+BF16_TOL = dict(rtol=1.6e-2, atol=1e-5)
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 
 
 # ---------------------------------------------------------------------------
@@ -47,8 +61,12 @@ GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
 # ---------------------------------------------------------------------------
 
 
-def tiny_model_config(family: str, attention: str):
-    """torchtitan's debug-model architecture at test size; ``attention``: ours ('sdpa') or 'model' (its SDPA)."""
+def tiny_model_config(family: str, attention: str, parallelism=None):
+    """torchtitan's debug-model architecture at test size; ``attention``: ours ('sdpa') or 'model' (its SDPA).
+
+    ``parallelism``: a ``ParallelismConfig`` whose sharding (TP plan, EP) the
+    config takes, as torchtitan's trainer does before its overrides run.
+    """
     from functools import partial
 
     from torch import nn
@@ -75,26 +93,52 @@ def tiny_model_config(family: str, attention: str):
                 attn_backend="flex",
             ),
         )
-    else:
-        from torchtitan.models.qwen3 import _build_qwen3_layers, _qwen3_norm
+    elif family in ("qwen3", "qwen3_moe"):
+        from torchtitan.models.qwen3 import _build_qwen3_layers, _build_qwen3_moe_layers, _qwen3_norm
         from torchtitan.models.qwen3.model import Qwen3Model
 
-        head_dim = 16  # Qwen3: heads * head_dim != dim, q/k norms, tied embeddings
+        head_dim = 16  # Qwen3: heads * head_dim != dim, q/k norms, tied embeddings (dense)
+        rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1e6)
+        shape = dict(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=head_dim,
+                     attn_backend="flex", rope=rope)
+        layers = (_build_qwen3_layers(hidden_dim=128, **shape) if family == "qwen3" else
+                  _build_qwen3_moe_layers(moe_hidden_dim=32, num_experts=EXPERTS, top_k=2,
+                                          moe_comm_backend="standard", **shape))
         cfg = Qwen3Model.Config(
-            dim=DIM, vocab_size=VOCAB, norm=_qwen3_norm(DIM), enable_weight_tying=True,
+            dim=DIM, vocab_size=VOCAB, norm=_qwen3_norm(DIM), enable_weight_tying=family == "qwen3",
             tok_embeddings=Embedding.Config(
-                num_embeddings=VOCAB, embedding_dim=DIM, param_init={"weight": skip_param_init}
+                num_embeddings=VOCAB, embedding_dim=DIM,
+                param_init={"weight": skip_param_init} if family == "qwen3" else init,
             ),
             lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=init),
-            layers=_build_qwen3_layers(
-                n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=head_dim,
-                hidden_dim=128, attn_backend="flex",
-                rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1e6),
+            layers=layers,
+        )
+    else:  # deepseek_v3: MLA (v head dim != q/k head dim), one dense layer, then MoE with shared experts
+        from torchtitan.models.deepseek_v3 import _build_dsv3_layers
+        from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+
+        rope = ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0)
+        cfg = DeepSeekV3Model.Config(
+            dim=DIM, vocab_size=VOCAB,
+            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=init),
+            norm=RMSNorm.Config(normalized_shape=DIM, param_init={"weight": nn.init.ones_}),
+            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=init),
+            layers=_build_dsv3_layers(
+                n_layers=LAYERS, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=0, kv_lora_rank=32,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mscale=1.0, dense_hidden_dim=128,
+                moe_hidden_dim=32, num_experts=EXPERTS, num_shared_experts=1, router_top_k=2,
+                router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+                non_blocking_capacity_factor=None, rope=rope,
             ),
         )
+    if parallelism is not None:
+        from types import SimpleNamespace
+
+        cfg.update_from_config(config=SimpleNamespace(parallelism=parallelism))
     if attention == "model":  # torchtitan's own SDPA (causal, no document masks)
         for layer in cfg.layers:
-            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+            sharding = layer.attention.inner_attention.sharding_config
+            layer.attention.inner_attention = ScaledDotProductAttention.Config(sharding_config=sharding)
     else:  # ours, installed by the plug-in's torchtitan override
         replaced = apply_overrides(OverrideConfig(imports=[(OVERRIDE_TARGET, {"backend": attention})]), cfg)
         assert len(replaced) == LAYERS, replaced
@@ -156,11 +200,11 @@ def reference(family: str, attention: str, docs: bool) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def build_parallel_dims(world: int, dp_replicate: int, dp_shard: int, sp: int):
+def build_parallel_dims(world: int, dp_replicate: int, dp_shard: int, sp: int, tp: int = 1, ep: int = 1, pp: int = 1):
     import torchtitan.distributed.parallel_dims as pd
 
     dims = pd.ParallelDims(
-        dp_replicate=dp_replicate, dp_shard=dp_shard, cp=sp, tp=1, pp=1, ep=1, world_size=world,
+        dp_replicate=dp_replicate, dp_shard=dp_shard, cp=sp, tp=tp, pp=pp, ep=ep, world_size=world,
         spmd_backend="partial_dtensor",
     )
     # torchtitan picks its device type at import ("cuda" where none is found).
@@ -184,13 +228,18 @@ def run_case(world: int, case: dict, meshes: dict) -> dict:
 
     family, attention, docs = case["model"], case.get("attention", "sdpa"), case.get("docs", True)
     sp, pack = case["sp"], case.get("pack_qkv", False)
-    degrees = (case.get("dp_replicate", 1), case.get("dp_shard", 1), sp)
+    tp, ep = case.get("tp", 1), case.get("ep", 1)
+    degrees = (case.get("dp_replicate", 1), case.get("dp_shard", 1), sp, tp, ep)
     if degrees not in meshes:  # process groups are costly: one set per mesh and task
         meshes[degrees] = build_parallel_dims(world, *degrees)
     dims = meshes[degrees]
     ref = reference(family, attention, docs)
 
-    cfg = tiny_model_config(family, attention)
+    parallelism = ParallelismConfig(
+        spmd_backend="partial_dtensor", context_parallel_load_balancer=None, tensor_parallel_degree=tp,
+        expert_parallel_degree=ep,
+    )
+    cfg = tiny_model_config(family, attention, parallelism)
     with torch.device("meta"):
         model = cfg.build()
     spec = ModelSpec(name=family, flavor="tiny", model=cfg, parallelize_fn=None, pipelining_fn=None,
@@ -200,7 +249,7 @@ def run_case(world: int, case: dict, meshes: dict) -> dict:
         model,
         parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=ParallelismConfig(spmd_backend="partial_dtensor", context_parallel_load_balancer=None),
+        parallelism=parallelism,
         compile_config=CompileConfig(enable=False),
         ac_config=ac,
         dump_folder="",
@@ -225,7 +274,9 @@ def run_case(world: int, case: dict, meshes: dict) -> dict:
     if batch_mesh is not None:
         valid = funcol.all_reduce(valid, "sum", batch_mesh.get_group()).wait()
     sp_mesh = dims.get_optional_mesh("cp")
-    local_in, local_lab, extra, _ = shard_for_sp(inputs, labels, {"positions": positions}, model=model, sp_mesh=sp_mesh)
+    local_in, local_lab, extra, _ = shard_for_sp(
+        inputs, labels, {"positions": positions}, model=model, sp_mesh=sp_mesh, tp_size=tp
+    )
 
     with CollectiveCounter() as counter:
         pred = model(local_in, **extra)
@@ -238,23 +289,166 @@ def run_case(world: int, case: dict, meshes: dict) -> dict:
     assert set(grads) == set(ref["grads"]), (case, set(grads) ^ set(ref["grads"]))
     figures["grad_abs"] = max((grads[n] - g).abs().max().item() for n, g in ref["grads"].items())
     assert figures["loss_rel"] < 1e-5, (case, total, ref["loss"])
+    tol = BF16_TOL if family in MOE_FAMILIES else GRAD_TOL
     for n, g in ref["grads"].items():
-        torch.testing.assert_close(grads[n], g, **GRAD_TOL, msg=lambda m: f"{case}: grad {n}: {m}")
+        torch.testing.assert_close(grads[n], g, **tol, msg=lambda m: f"{case}: grad {n}: {m}")
 
-    # Ulysses minimum per layer: q, k, v and the output forward (q, k, v in
-    # one with pack_qkv), the same backward, each O(n d / P) bytes; nothing
-    # else through functional collectives (no all-gather of the sequence).
-    # torchtitan's selective AC saves the exchanged tensors (no replay); full
-    # AC replays the forward exchanges in backward.
+    # Ulysses minimum per layer over sp: q, k, v and the output forward (q, k,
+    # v in one with pack_qkv), the same backward, each O(n d / P) bytes of the
+    # heads / tp a tp rank holds; nothing else on the sp ranks (no all-gather
+    # of the sequence), on EVERY layer (also the dense ones of an MoE model
+    # under ep > 1). torchtitan's selective AC saves the exchanged tensors (no
+    # replay); full AC replays the forward exchanges in backward.
+    by_mesh = collectives_by_mesh(counter, meshes)
     forward = 2 if pack else 4
     per_layer = 2 * forward + (forward if case.get("ac") == "full" else 0)
-    assert counter.counts() == {"all_to_all_single": per_layer * LAYERS}, (case, counter.counts())
-    head_dim = DIM // HEADS if family == "llama3" else 16
-    shape = (local_in.shape[0], local_in.shape[1] * sp, HEADS, KV_HEADS, head_dim, sp, 4)
-    expected = LAYERS * exchange_bytes_per_rank(*shape)
+    expected = {("cp", "all_to_all_single"): per_layer * LAYERS}
+    shape = (local_in.shape[0], local_in.shape[1] * sp, *attention_heads(family, tp), sp, 4)
+    v_head_dim = 16 if family == "deepseek_v3" else None
+    ulysses_bytes = LAYERS * exchange_bytes_per_rank(*shape, v_head_dim=v_head_dim)
     if case.get("ac") == "full":
-        expected += LAYERS * exchange_bytes_per_rank(*shape, backward=False)
-    assert counter.sent_bytes("all_to_all_single") == expected, (case, counter.sent_bytes(), expected)
+        ulysses_bytes += LAYERS * exchange_bytes_per_rank(*shape, backward=False, v_head_dim=v_head_dim)
+    assert sum(r.sent_bytes for r in by_mesh.get(("cp", "all_to_all_single"), [])) == ulysses_bytes, case
+    if tp > 1:  # torchtitan's own TP plan with its sequence parallelism
+        tokens = local_in.numel()  # this sp rank's (padded) slice
+        for op, (count, nbytes) in tp_collectives(family, tokens, tp).items():
+            expected[("tp", op)] = count
+            if nbytes is not None:
+                assert {r.input_bytes for r in by_mesh.get(("tp", op), [])} == {nbytes}, (case, op)
+    if ep > 1:  # per MoE layer: token counts, dispatch, combine forward; combine and dispatch backward
+        expected[("ep", "all_to_all_single")] = 5 * sum(family != "deepseek_v3" or i > 0 for i in range(LAYERS))
+    figures["collectives"] = {f"{m}.{op}": len(v) for (m, op), v in sorted(by_mesh.items())}
+    assert {k: len(v) for k, v in by_mesh.items()} == expected, (case, figures["collectives"])
+    return figures
+
+
+def attention_heads(family: str, tp: int) -> tuple[int, int, int]:
+    """(heads, kv heads, q/k head dim) a tp rank computes and Ulysses exchanges."""
+    if family == "deepseek_v3":  # MLA: k and v per head; q/k head dim nope 16 + rope 8
+        return HEADS // tp, HEADS // tp, 24
+    return HEADS // tp, KV_HEADS // tp, DIM // HEADS if family == "llama3" else 16
+
+
+def tp_collectives(family: str, tokens: int, tp: int) -> dict[str, tuple[int, int | None]]:
+    """torchtitan's TP (with sequence parallelism) per step: op -> (count, input bytes per call).
+
+    Per block, forward: an all-gather of the tp rank's share of the sequence
+    in front of each tensor-parallel sub-block (attention; a dense MLP; an MoE
+    keeps its routed tokens sharded), a reduce-scatter after it; backward the
+    same reversed; each norm weight's (and router gate's) gradient
+    all-reduced. Outside the blocks: the embedding's reduce-scatter and the
+    final norm's all-gather (and their backward), its weight's all-reduce,
+    and the vocab-parallel loss's three all-reduces.
+    """
+    sub_blocks = LAYERS * (1 if family in MOE_FAMILIES else 2)
+    # attention and MLP norms; Qwen3's q/k norms; the MoE router's gate
+    norms = LAYERS * {"llama3": 2, "qwen3": 4, "qwen3_moe": 5}[family]
+    return {
+        "all_gather_into_tensor": (2 * sub_blocks + 2, tokens // tp * DIM * 4),
+        "reduce_scatter_tensor": (2 * sub_blocks + 2, tokens * DIM * 4),
+        "all_reduce": (norms + 1 + 3, None),
+    }
+
+
+def collectives_by_mesh(counter, meshes: dict) -> dict[tuple[str, str], list]:
+    """The counted collectives by (mesh dim, op). DTensor may reuse an equal mesh of an earlier
+    case of the task (its groups are alive, the same ranks), so every case's groups are named."""
+    names = {}
+    for dims in meshes.values():
+        for dim in ("cp", "tp", "ep"):
+            mesh = dims.get_optional_mesh(dim)
+            if mesh is not None:
+                names[mesh.get_group().group_name] = dim
+    out: dict[tuple[str, str], list] = {}
+    for record in counter.records:
+        out.setdefault((names.get(record.group_name, record.group_name), record.op), []).append(record)
+    return out
+
+
+def run_pipeline_case(world: int, case: dict, meshes: dict) -> dict:
+    """pp x sp: torchtitan's ``pipeline_llm`` cuts the model, our parallelize function runs on each
+    stage, torchtitan's schedule runs one step of ``BATCH`` micro-batches (one row each)."""
+    import contextlib
+
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import distribute_tensor
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.protocols.model_spec import ModelSpec
+
+    from ulysses_dtensor.comm_stats import CollectiveCounter
+    from ulysses_dtensor.integrations.torchtitan._torch_compat import ensure_microbatch_step
+    from ulysses_dtensor.integrations.torchtitan.batch import shard_for_sp
+    from ulysses_dtensor.integrations.torchtitan.parallelize import ulysses_model_spec
+
+    family, attention, sp, pp = case["model"], case.get("attention", "sdpa"), case["sp"], case["pp"]
+    degrees = (1, 1, sp, 1, 1, pp)
+    if degrees not in meshes:
+        meshes[degrees] = build_parallel_dims(world, *degrees)
+    dims = meshes[degrees]
+    ref = reference(family, attention, True)
+
+    parallelism = ParallelismConfig(
+        spmd_backend="partial_dtensor", context_parallel_load_balancer=None, pipeline_parallel_degree=pp,
+        pipeline_parallel_schedule=case["schedule"],
+    )
+    cfg = tiny_model_config(family, attention, parallelism)
+    with torch.device("meta"):
+        model = cfg.build()
+    spec = ModelSpec(name=family, flavor="tiny", model=cfg, parallelize_fn=None, pipelining_fn=None,
+                     post_optimizer_build_fn=None, state_dict_adapter=None)
+    schedule, parts, first, last = pipeline_llm(
+        model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32", local_batch_size=BATCH),
+        parallelism=parallelism, compile_config=CompileConfig(enable=False), ac_config=None, dump_folder="",
+        device=torch.device("cpu"), model_config=cfg, parallelize_fn=ulysses_model_spec(spec).parallelize_fn,
+        loss_fn=CrossEntropyLoss.Config().build(),
+    )
+    ensure_microbatch_step(schedule)
+    for part in parts:
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+            for name, p in part.named_parameters():
+                full = ref["init"][canonical(name)]
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+
+    inputs, labels, positions = global_batch(True)
+    valid = (labels != -100).sum()
+    args, kwargs, targets = [], [], []
+    for row in range(BATCH):  # the trainer's micro-batches, each through the plug-in's sp slice
+        local_in, local_lab, extra, _ = shard_for_sp(
+            inputs[row:row + 1], labels[row:row + 1], {"positions": positions[row:row + 1]},
+            model=parts[0], sp_mesh=dims.get_mesh("cp"),
+        )
+        args.append((local_in,))
+        kwargs.append(extra)
+        targets.append(local_lab)
+    # Two steps: torch's first one also infers the stages' shapes (running
+    # each stage once more); the second is the steady state, counted.
+    for counter in (contextlib.nullcontext(), CollectiveCounter()):
+        for part in parts:
+            part.zero_grad()
+        losses = [] if last else None
+        with counter:
+            schedule.step(arg_mbs=args if first else None, kwarg_mbs=kwargs, target_mbs=targets if last else None,
+                          losses=losses, loss_kwargs={"global_valid_tokens": valid}, return_outputs=False)
+
+    figures = {"case": case, "stage_layers": [len(part.layers) for part in parts]}
+    if last:
+        share = torch.stack(losses).sum()
+        total = funcol.all_reduce(share, "sum", dims.get_mesh("loss").get_group()).wait().item()
+        figures["loss_rel"] = abs(total - ref["loss"]) / abs(ref["loss"])
+        assert figures["loss_rel"] < 1e-5, (case, total, ref["loss"])
+    # this rank's stages: their parameters (the pp ranks together hold them all)
+    grads = {canonical(n): p.grad.full_tensor() for part in parts for n, p in part.named_parameters()}
+    figures["grad_abs"] = max((g - ref["grads"][n]).abs().max().item() for n, g in grads.items())
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref["grads"][n], **GRAD_TOL, msg=lambda m: f"{case}: grad {n}: {m}")
+    # Ulysses per layer of this rank's stages and micro-batch, nothing else (send / recv are not
+    # functional collectives; FSDP's are not counted).
+    layers = sum(len(part.layers) for part in parts)
+    assert counter.counts() == ({"all_to_all_single": 8 * layers * BATCH} if layers else {}), (case, counter.counts())
     return figures
 
 
@@ -267,7 +461,7 @@ def parity_worker(rank: int, world: int, cases: list) -> list:
         out, meshes = [], {}
         for case in cases:
             t0 = time.perf_counter()
-            figures = run_case(world, case, meshes)
+            figures = (run_pipeline_case if "pp" in case else run_case)(world, case, meshes)
             figures["s"] = round(time.perf_counter() - t0, 2)
             out.append(figures)
         return out
@@ -298,6 +492,22 @@ def test_parity_sp4_dp2_sp2_hsdp():
         {"model": "llama3", "dp_shard": 2, "sp": 2, "ac": "full"},
         {"model": "qwen3", "dp_shard": 2, "sp": 2},
         {"model": "qwen3", "dp_replicate": 2, "sp": 2, "pack_qkv": True},  # HSDP
+    ])
+    _report(results)
+
+
+def test_parity_with_torchtitan_tp_ep_pp():
+    """torchtitan's own TP plan, expert parallelism and pipeline schedules, each with our Ulysses on cp."""
+    results = run_ranks(4, parity_worker, [
+        {"model": "llama3", "sp": 2, "tp": 2},  # a tp rank's 1 kv head < sp 2: replicated
+        # torchtitan's SDPA inside its local_map; Qwen3's q/k norms; sp slice 15 -> 16 for tp
+        {"model": "qwen3", "sp": 2, "tp": 2, "attention": "model", "docs": False, "pack_qkv": True},
+        {"model": "qwen3_moe", "sp": 2, "tp": 2, "ep": 2},
+        {"model": "qwen3_moe", "dp_shard": 2, "sp": 2, "ep": 2},
+        {"model": "deepseek_v3", "dp_shard": 2, "sp": 2, "ep": 2},  # MLA; layer 0 dense, layer 1 MoE
+        {"model": "llama3", "sp": 2, "pp": 2, "schedule": "1F1B"},
+        {"model": "llama3", "sp": 2, "pp": 2, "schedule": "InterleavedZeroBubble"},  # split backward
+        {"model": "llama3", "sp": 2, "pp": 2, "schedule": "ZBVZeroBubble"},  # V: pp rank 1 holds both layers
     ])
     _report(results)
 
@@ -369,7 +579,12 @@ def config_worker(rank: int, world: int) -> dict | None:
         "inner_ok": all(isinstance(i, UlyssesInnerAttention.Config) and i.backend == "sdpa" for i in inner),
         "parallelize_ok": fn.func is parallelize_ulysses and fn.keywords == {"pack_qkv": True},
     }
-    out["registry"] = {name: getattr(registry, name)().ulysses.degree for name in registry.__all__ if name != "ulysses_config"}
+    out["registry"] = {}  # (ulysses.degree, torchtitan's tp, ep) of each config
+    for name in registry.__all__:
+        if name != "ulysses_config":
+            made = getattr(registry, name)()
+            out["registry"][name] = (made.ulysses.degree, made.parallelism.tensor_parallel_degree,
+                                     made.parallelism.expert_parallel_degree)
 
     # torchtitan's ParallelDims with the Ulysses degree on its cp axis (this
     # world has 2 ranks; the process group exists, so nothing is initialised).
@@ -396,7 +611,15 @@ def config_worker(rank: int, world: int) -> dict | None:
         "balancer": error(lambda: dataclasses.replace(
             base, parallelism=dataclasses.replace(par, context_parallel_load_balancer="headtail"))),
         "spmd": error(lambda: dataclasses.replace(base, parallelism=dataclasses.replace(par, spmd_backend="spmd_types"))),
-        "tp": error(lambda: dataclasses.replace(base, parallelism=dataclasses.replace(par, tensor_parallel_degree=2))),
+        "tp_heads": error(lambda: dataclasses.replace(
+            base, ulysses=UlyssesConfig(degree=8), parallelism=dataclasses.replace(par, tensor_parallel_degree=4))),
+        "tp_divides": error(lambda: dataclasses.replace(base, parallelism=dataclasses.replace(par, tensor_parallel_degree=3))),
+        "ep_dense": error(lambda: dataclasses.replace(base, parallelism=dataclasses.replace(par, expert_parallel_degree=2))),
+        "seq_len_tp": error(lambda: dataclasses.replace(
+            base, training=dataclasses.replace(train, seq_len=2044),
+            parallelism=dataclasses.replace(par, tensor_parallel_degree=2))),
+        "world_tp": error(lambda: UlyssesTrainer.init_distributed(SimpleNamespace(config=dataclasses.replace(
+            base, parallelism=dataclasses.replace(par, tensor_parallel_degree=2))))),
         "heads": error(lambda: dataclasses.replace(base, ulysses=UlyssesConfig(degree=3))),
         "backend": error(lambda: UlyssesConfig(attention_backend="flash")),
         "cuda_graphs": error(lambda: dataclasses.replace(
@@ -424,8 +647,10 @@ def test_configs_and_errors():
     assert parsed["stock_training"] and parsed["stock_rest"] and parsed["stock_model"], parsed
     assert out["prepared"] == {"overrides": 6, "fqns_ok": True, "inner_ok": True, "parallelize_ok": True}
     assert out["registry"] == {
-        "llama3_debugmodel_ulysses": 2, "llama3_8b_ulysses": 8, "qwen3_debugmodel_ulysses": 2,
-        "qwen3_1_7b_ulysses": 8, "qwen3_14b_ulysses": 8,
+        "llama3_debugmodel_ulysses": (2, 1, 1), "llama3_8b_ulysses": (8, 1, 1), "qwen3_debugmodel_ulysses": (2, 1, 1),
+        "qwen3_1_7b_ulysses": (8, 1, 1), "qwen3_14b_ulysses": (8, 1, 1), "llama3_70b_ulysses": (4, 8, 1),
+        "qwen3_moe_debug_ulysses": (2, 1, 1), "qwen3_30b_a3b_ulysses": (8, 1, 8),
+        "deepseek_v3_debugmodel_ulysses": (2, 1, 1), "deepseek_v3_16b_ulysses": (8, 1, 8),
     }
     assert out["dims"] == {"cp": 2, "dp_shard": 1, "world": 2}
     assert out["metrics"] == {"type": "UlyssesMetricsProcessor.Config", "stock_fields": True,
@@ -438,11 +663,17 @@ def test_configs_and_errors():
         "cp": ["context_parallel_degree=2", "ulysses.degree"],
         "balancer": ["context_parallel_load_balancer='headtail'", "set it to None"],
         "spmd": ["spmd_backend='spmd_types'", "'partial_dtensor'"],
-        "tp": ["tensor_parallel_degree=2", "set it to 1"],
+        "tp_heads": ["layers.0.attention under parallelism.tensor_parallel_degree x ulysses.degree", "tp=4", "the 4 heads and 4 kv heads of a tp rank over ulysses=8",
+                     "valid sp for 4 heads: [1, 2, 4]"],
+        "tp_divides": ["tp=3 must divide the heads (16) and the kv heads (16)", "valid tp: [1, 2, 4, 8, 16]"],
+        "ep_dense": ["expert_parallel_degree=2", "no MoE layer", "qwen3 MoE, deepseek_v3"],
+        "seq_len_tp": ["training.seq_len=2044", "(2 * ulysses.degree = 4) x (parallelism.tensor_parallel_degree = 2",
+                       ") = 8", "2040 or 2048"],
+        "world_tp": ["world size 2", "ulysses.degree=2 x tensor_parallel_degree=2"],
         "heads": ["ulysses.degree=3", "heads=16", "valid sp for 16 heads: [1, 2, 4, 8, 16]"],
         "backend": ["ulysses.attention_backend", "'flash'", "flash_attn"],
         "cuda_graphs": ["disable_cuda_graphs=False", "set training.disable_cuda_graphs=True"],
-        "seq_len": ["training.seq_len=2046", "2 * ulysses.degree = 4"],
+        "seq_len": ["training.seq_len=2046", "2 * ulysses.degree = 4: e.g. 2044 or 2048"],
         "override": [OVERRIDE_TARGET_NAME, "ulysses.attention_backend"],
         "world": ["world size 2", "ulysses.degree=4"],
     }
@@ -483,3 +714,4 @@ def test_gpu_trainer_through_our_module(backend):
     )
     print(done.stdout[-2000:])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+

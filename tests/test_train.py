@@ -124,7 +124,13 @@ MESHES = {
     "1x2x2": ((1, 2, 2), ()),  # FSDP over dp_shard x sp
     "1x1x2-offload_params": ((1, 1, 2), ("--memory.offload_params", "true")),  # AdamW on host shards
     "2x1x2": ((2, 1, 2), ()),  # HSDP: replicate x (shard x sp)
+    "1x1x2-tp2": ((1, 1, 2), ("--parallelism.tp", "2")),  # tensor parallel inside each sp rank
 }
+
+
+def _world(mesh: tuple, extra: tuple) -> int:
+    tp = int(extra[extra.index("--parallelism.tp") + 1]) if "--parallelism.tp" in extra else 1
+    return mesh[0] * mesh[1] * mesh[2] * tp
 
 
 def test_mesh_independence(reference, tmp_path):
@@ -133,7 +139,7 @@ def test_mesh_independence(reference, tmp_path):
     by_world: dict[int, list] = {}
     for name, (mesh, extra) in MESHES.items():
         argv = _args(tmp_path / name, *_mesh_args(*mesh), *extra, checkpoints=False)
-        by_world.setdefault(mesh[0] * mesh[1] * mesh[2], []).append((argv, None))
+        by_world.setdefault(_world(mesh, extra), []).append((argv, None))
     for world, jobs in sorted(by_world.items()):
         if world == 1:  # a world of one, as `python -m ulysses_dtensor.train` runs
             for argv, _ in jobs:
@@ -148,7 +154,8 @@ def test_mesh_independence(reference, tmp_path):
 def test_resume_across_stage_change_and_into_offloaded_parameters(reference, tmp_path):
     """Resume at step 3 (the next step starts the 128-token stage): the same losses;
     also when the device-parameter checkpoint resumes into memory.offload_params
-    (shards and AdamW state in host memory). A save a kill cut short is ignored."""
+    (shards and AdamW state in host memory) and onto tp 2 (each weight split over
+    two more ranks). A save a kill cut short is ignored."""
     ref_dump, _ = reference
     step3 = ref_dump / "checkpoint" / "step-3"
     plain, offload = tmp_path / "resume", tmp_path / "resume_offload"
@@ -160,8 +167,12 @@ def test_resume_across_stage_change_and_into_offloaded_parameters(reference, tmp
          (str(step3), str(offload / "checkpoint" / "step-3"))),
     ]
     run_ranks(2, _jobs_worker, jobs)
+    # Across tensor-parallel degrees: the sp 2 checkpoint resumed with each weight split over tp 2.
+    tp = tmp_path / "resume_tp2"
+    run_ranks(4, _jobs_worker, [(_args(tp, *mesh, "--parallelism.tp", "2"),
+                                 (str(step3), str(tp / "checkpoint" / "step-3")))])
     ref = {r["step"]: r for r in _rows(ref_dump)}
-    for dump in (plain, offload):
+    for dump in (plain, offload, tp):
         rows = _rows(dump)
         assert [r["step"] for r in rows] == [4, 5, 6], dump.name
         for r in rows:

@@ -365,6 +365,10 @@ def test_planner_sizes_a_transformers_model_from_its_config_alone(moe_dir, tmp_p
     assert switched.features["tiled_mlp"] and switched.features["offload"] and switched.features["offload_params"]
     # Parameter state and layer inputs moved to the host: less on the device, some on the host.
     assert switched.peak_bytes < plain.peak_bytes and switched.host_bytes > plain.host_bytes == 0
+    # The shipped 5M-token Qwen3-8B config validates against Qwen3-8B's published config.json alone.
+    shipped = load_config(["--config", str(REPO / "train_configs" / "qwen3_8b_hf_5m.toml"), "--model.hf_path",
+                           str(REPO / "benchmarks" / "model_configs" / "qwen3_8b"), "--data.path", ""])
+    assert validate_config(shipped, 8, weights=False).sp == 8 and shipped.memory.offload_params
     found = find_max_seq_len(load_config(base + switches), 4, budget_gib=switched.peak_gib * 1.5, headroom_gib=0,
                              granularity=32, rows=1, device="cuda", layers="full", confirm=False)
     assert found.max_seq_len >= 128 and found.best.peak_bytes <= 1.5 * switched.peak_bytes < found.next_up.peak_bytes

@@ -31,6 +31,7 @@ class CollectiveRecord:
     # Ring attention's point-to-point transfers are all-to-alls whose splits
     # are all zero but the next rank's, so they keep nothing.
     kept_bytes: int | None = None
+    group_name: str = ""  # which process group (tells apart collectives of several meshes)
 
     @property
     def sent_bytes(self) -> int:
@@ -73,7 +74,7 @@ class CollectiveCounter(TorchDispatchMode):
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
                 group = _as_group(kwargs.get("group_name", args[-1]))
                 kept = _kept_bytes(name, tensor, args, group) if name == "all_to_all_single" else None
-                self.records.append(CollectiveRecord(name, nbytes, group.size(), kept))
+                self.records.append(CollectiveRecord(name, nbytes, group.size(), kept, group.group_name))
         return func(*args, **kwargs)
 
     def counts(self) -> dict[str, int]:

@@ -10,6 +10,12 @@ With ring attention (``ring > 1``, USP) the sp dim is split in two,
 ulysses)``: ulysses innermost, so a Ulysses group is consecutive ranks (the GPUs
 of one node) and the ring runs across groups. ``sp`` is then the flattened
 ``ring x ulysses`` view; everything that used the sp dim uses it unchanged.
+
+With tensor parallelism (``tp > 1``) a ``tp`` dim comes last, innermost
+(consecutive ranks: NVLink): the tp ranks of a group hold the same tokens and
+shard the weights (heads and MLP width). Parameters are TP-sharded over ``tp``
+and FSDP-sharded over ``dp_shard x sp`` as before; tokens are counted over
+every dim but ``tp`` (the tp ranks hold the same ones).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "sp")
 USP_MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "ring", "ulysses")
+TP_DIM_NAME = "tp"  # last and innermost when tp > 1
 # Set on the flattened sp mesh of a USP ParallelMesh: shard_batch and the model
 # read the ring degree (and so the sequence layout) from the mesh they are given.
 _RING_ATTR = "_ulysses_dtensor_ring"
@@ -28,12 +35,13 @@ _RING_ATTR = "_ulysses_dtensor_ring"
 
 @dataclass
 class ParallelDims:
-    """Degrees of data replication, data sharding and sequence parallelism.
+    """Degrees of data replication, data sharding, sequence and tensor parallelism.
 
-    ``dp_shard=-1`` takes whatever the world size leaves after ``dp_replicate``
-    and ``sp``. ``world_size`` defaults to the initialised process group's.
+    ``dp_shard=-1`` takes whatever the world size leaves after ``dp_replicate``,
+    ``sp`` and ``tp``. ``world_size`` defaults to the initialised process group's.
     ``ring`` splits sp into ``ring x ulysses`` (ring attention across the
-    Ulysses groups); ``ring=1`` is plain Ulysses.
+    Ulysses groups); ``ring=1`` is plain Ulysses. ``tp`` shards the weights over
+    the innermost ranks (PyTorch's ``ColwiseParallel`` / ``RowwiseParallel``).
     """
 
     dp_replicate: int = 1
@@ -41,6 +49,7 @@ class ParallelDims:
     sp: int = 1
     world_size: int | None = None
     ring: int = 1
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size is None:
@@ -52,7 +61,7 @@ class ParallelDims:
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("dp_replicate", "sp", "ring"):
+        for name in ("dp_replicate", "sp", "ring", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallelism.{name}={value!r} must be an integer >= 1")
@@ -68,22 +77,24 @@ class ParallelDims:
             )
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be >= 1")
+        names = "dp_replicate*sp" + ("*tp" if self.tp > 1 else "")
+        values = f"{self.dp_replicate}*{self.sp}" + (f"*{self.tp}" if self.tp > 1 else "")
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.sp
+            rest = self.dp_replicate * self.sp * self.tp
             if self.world_size % rest:
                 raise ValueError(
-                    f"world_size={self.world_size} is not divisible by "
-                    f"dp_replicate*sp={self.dp_replicate}*{self.sp}={rest}, so dp_shard=-1 "
-                    f"cannot be resolved; use dp_replicate*sp among the divisors of "
+                    f"world_size={self.world_size} is not divisible by {names}={values}={rest}, so "
+                    f"dp_shard=-1 cannot be resolved; use {names} among the divisors of "
                     f"{self.world_size}: {divisors(self.world_size)}"
                 )
             self.dp_shard = self.world_size // rest
-        product = self.dp_replicate * self.dp_shard * self.sp
+        product = self.dp_replicate * self.dp_shard * self.sp * self.tp
         if product != self.world_size:
+            what = "dp_replicate*dp_shard*sp" + ("*tp" if self.tp > 1 else "")
+            got = f"{self.dp_replicate}*{self.dp_shard}*{self.sp}" + (f"*{self.tp}" if self.tp > 1 else "")
             raise ValueError(
-                f"dp_replicate*dp_shard*sp = {self.dp_replicate}*{self.dp_shard}*{self.sp} "
-                f"= {product} does not match world_size={self.world_size}; the product "
-                f"must equal the world size (set dp_shard=-1 to fill it)"
+                f"{what} = {got} = {product} does not match world_size={self.world_size}; the "
+                f"product must equal the world size (set dp_shard=-1 to fill it)"
             )
 
     # Degrees derived from the three named ones.
@@ -110,13 +121,16 @@ class ParallelDims:
         """Build the mesh (size-1 dims kept) and its flattened sub-meshes.
 
         3-D ``(dp_replicate, dp_shard, sp)`` when ``ring == 1``, else 4-D
-        ``(dp_replicate, dp_shard, ring, ulysses)``.
+        ``(dp_replicate, dp_shard, ring, ulysses)``; with ``tp > 1`` a last
+        ``tp`` dim.
         """
         if self.ring == 1:
             shape, names = (self.dp_replicate, self.dp_shard, self.sp), MESH_DIM_NAMES
         else:
             shape = (self.dp_replicate, self.dp_shard, self.ring, self.ulysses)
             names = USP_MESH_DIM_NAMES
+        if self.tp > 1:
+            shape, names = (*shape, self.tp), (*names, TP_DIM_NAME)
         return ParallelMesh(self, init_device_mesh(device_type, shape, mesh_dim_names=names))
 
 
@@ -129,7 +143,8 @@ class ParallelMesh:
 
     ``sp`` is the whole sequence-parallel group; with ``ring > 1`` also
     ``ring`` (ring attention) and ``ulysses`` (the all-to-all), else ``ring``
-    is None and ``ulysses`` is ``sp``.
+    is None and ``ulysses`` is ``sp``. ``tp`` is the tensor-parallel group (None
+    when ``tp == 1``).
     """
 
     def __init__(self, dims: ParallelDims, mesh: DeviceMesh):
@@ -152,8 +167,13 @@ class ParallelMesh:
         self.hsdp: DeviceMesh = DeviceMesh._concatenate([mesh["dp_replicate"], self.fsdp])
         # Data-loading ranks: each reads its own samples.
         self.dp: DeviceMesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        # Every rank, for global token counts and loss sums.
-        self.loss: DeviceMesh = mesh._flatten("world")
+        # Every rank that holds tokens of its own (all but tp), for global token counts and loss sums.
+        if dims.tp > 1:
+            self.tp: DeviceMesh | None = mesh[TP_DIM_NAME]
+            self.loss: DeviceMesh = mesh[("dp_replicate", "dp_shard", *seq_dims)]._flatten("world_but_tp")
+        else:
+            self.tp = None
+            self.loss = mesh._flatten("world")
 
     def __getitem__(self, name):
         return self.mesh[name]

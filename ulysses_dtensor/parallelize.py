@@ -2,6 +2,9 @@
 
 Order, per transformer block, and why:
 
+0. **Tensor parallelism** (``tp > 1``): PyTorch's ``ColwiseParallel`` /
+   ``RowwiseParallel`` on the block's projections over the tp mesh, so q, k, v
+   leave their projections with ``heads / tp`` heads.
 1. **Ulysses** on ``block.attention.inner`` (the sp mesh): it only registers
    forward hooks on a parameter-free module, so it must be in place before
    the block is compiled, for the compiled graph to contain the all-to-alls.
@@ -18,7 +21,8 @@ Order, per transformer block, and why:
 
 Parameters are sharded over the flattened ``dp_shard x sp`` mesh (the sp ranks
 of a group hold the same parameters) and replicated over ``dp_replicate``
-(HSDP). The loss from :func:`~ulysses_dtensor.loss.sp_cross_entropy` is each
+(HSDP). With ``tp > 1`` the blocks' projections are first split over the ``tp``
+ranks (:mod:`~ulysses_dtensor.tensor_parallel`), and FSDP shards the tp shards. The loss from :func:`~ulysses_dtensor.loss.sp_cross_entropy` is each
 rank's share of the global token mean, so gradients must be SUMMED over every
 rank: FSDP2 averages by default, so every FSDP module gets a divide factor of
 1 and sum-only collectives (which gloo also supports).
@@ -26,7 +30,9 @@ rank: FSDP2 averages by default, so every FSDP module gets a divide factor of
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 from collections import defaultdict
 from typing import Callable
 
@@ -46,6 +52,7 @@ from .mesh import ParallelMesh
 from .offload import HostOffloader, OffloadedCheckpointBlock
 from .ring import RingAttention
 from .suggest import unknown_name
+from .tensor_parallel import LLAMA_TP_PLAN, check_tp_heads, tensor_parallelize
 from .ulysses import UlyssesAttention, kv_replication
 
 __all__ = ["AC_MODES", "check_memory_options", "clip_grad_norm_", "parallelize_llama"]
@@ -123,10 +130,16 @@ def parallelize_llama(
 
     dims = pmesh.dims
     ring = getattr(dims, "ring", 1)
+    tp = getattr(dims, "tp", 1)
+    args = getattr(model, "args", None)
+    if args is not None:  # clear errors before any change
+        check_tp_heads(args.n_heads, args.n_kv_heads, tp, dims.sp // ring, "parallelize_llama")
+        if tp == 1 and dims.sp > 1:
+            kv_replication(args.n_heads, args.n_kv_heads, dims.sp // ring)
+    if tp > 1:
+        # Tensor parallelism first: q/k/v then carry heads / tp heads into the exchange.
+        tensor_parallelize(list(layers.values()), pmesh.tp, LLAMA_TP_PLAN)
     if dims.sp > 1:
-        args = getattr(model, "args", None)
-        if args is not None:
-            kv_replication(args.n_heads, args.n_kv_heads, dims.sp // ring)  # clear error before any change
         for block in layers.values():
             attn = block.attention
             if ring > 1:
@@ -331,6 +344,19 @@ def _op_sac_context():
 # ---------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _quiet_redistribute():
+    """DTensor logs a warning per call when a norm partial over two mesh dims (FSDP x tp)
+    is reduced with two all-reduces of one scalar: true, and nothing to act on."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters,
@@ -357,9 +383,10 @@ def clip_grad_norm_(
         groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
     norms = []
     for gs in groups.values():
-        n = torch.nn.utils.get_total_norm(gs, norm_type, False, foreach)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
+        with _quiet_redistribute():
+            n = torch.nn.utils.get_total_norm(gs, norm_type, False, foreach)
+            if isinstance(n, DTensor):
+                n = n.full_tensor()
         norms.append(n)
     device = norms[0].device
     if len(norms) == 1:

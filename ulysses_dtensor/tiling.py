@@ -32,6 +32,20 @@ def auto_num_tiles(seq: int, width: int, hidden: int) -> int:
     return max(1, math.ceil(seq * width / (hidden * hidden)))
 
 
+# The automatic loss chunk holds at most this many bytes of float32 logits. The
+# loss runs where no layer's temporaries are alive (between the last forward and
+# the first backward), so a 1 GiB chunk adds nothing to the step's peak at long
+# context (the planner shows the same peak as ~100-token chunks for Qwen3-8B), while
+# chunks of about dim^2 / vocab tokens -- the MLP's rule -- would be ~100 tokens:
+# thousands of kernel launches per step, and as many ops for the planner to trace.
+LOSS_CHUNK_BYTES = 1 << 30
+
+
+def auto_loss_chunks(tokens: int, vocab: int) -> int:
+    """Chunks so that each chunk's ``(tokens / n, vocab)`` float32 logits fit :data:`LOSS_CHUNK_BYTES`."""
+    return max(1, math.ceil(tokens * vocab * 4 / LOSS_CHUNK_BYTES))
+
+
 def _tiles(seq: int, num_tiles: int) -> list[tuple[int, int]]:
     num_tiles = max(1, min(num_tiles, seq))
     step = math.ceil(seq / num_tiles)
@@ -96,7 +110,7 @@ def tiled_cross_entropy_sum(
     by the global valid-token count (see :func:`tiled_sp_cross_entropy`).
     """
     seq = hidden.shape[1]
-    n = num_chunks or auto_num_tiles(seq, weight.shape[0], hidden.shape[-1])
+    n = num_chunks or auto_loss_chunks(hidden.shape[0] * seq, weight.shape[0])
     total = hidden.new_zeros((), dtype=torch.float32)
     for start, length in _tiles(seq, n):
         h, lab = hidden.narrow(1, start, length), labels.narrow(1, start, length)

@@ -64,6 +64,7 @@ class MemoryPlan:
     host_bytes: int  # peak bytes held on the host (offloaded block inputs, offloaded parameter state)
     trace: dict  # how the figure was made: layers traced, extrapolated, seconds
     notes: list = field(default_factory=list)
+    tp: int = 1
 
     @property
     def peak_gib(self) -> float:
@@ -93,7 +94,8 @@ class MemoryPlan:
             return f"{b / GIB:9.3f} GiB"
 
         lines = []
-        mesh = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} sp={self.sp}"
+        mesh = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} sp={self.sp}" + (
+            f" tp={self.tp}" if self.tp > 1 else "")
         feats = ", ".join(f"{k}={v}" for k, v in self.features.items())
         lines.append(
             f"PLANNED per-rank peak memory of one training step: {self.flavor} "

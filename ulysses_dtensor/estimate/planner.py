@@ -50,13 +50,13 @@ def _cheaper_trace(cfg, args, s_local: int, counts: tuple[int, ...]) -> str:
     ~40 more per MLP tile (forward, recompute and backward of each tile), ~10
     per loss chunk; the extrapolated plan traces the loss once per trace.
     """
-    from ..tiling import auto_num_tiles
+    from ..tiling import auto_loss_chunks, auto_num_tiles
 
     mem = cfg.memory
     per_layer = 200
     if mem.tiled_mlp:
         per_layer += 40 * (mem.mlp_tiles or auto_num_tiles(s_local, args.ffn_dim, args.dim))
-    loss = 10 * ((mem.loss_chunks or auto_num_tiles(s_local, args.vocab_size, args.dim)) if mem.tiled_loss else 5)
+    loss = 10 * ((mem.loss_chunks or auto_loss_chunks(s_local, args.vocab_size)) if mem.tiled_loss else 5)
     full = args.n_layers * per_layer + loss
     extrapolated = sum(counts) * per_layer + len(counts) * loss
     return "extrapolate" if args.n_layers > counts[-1] and extrapolated < 0.7 * full else "full"
@@ -64,7 +64,7 @@ def _cheaper_trace(cfg, args, s_local: int, counts: tuple[int, ...]) -> str:
 
 def _default_world_size(cfg) -> int:
     p = cfg.parallelism
-    return p.dp_replicate * p.sp * (p.dp_shard if p.dp_shard > 0 else 1)
+    return p.dp_replicate * p.sp * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
 
 
 def _prepared_config(cfg, seq_len, rows, notes):
@@ -142,7 +142,7 @@ def plan_memory(
     if rows is not None:
         par = cfg.parallelism
         try:
-            dp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size).dp
+            dp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring, tp=par.tp).dp
         except ValueError:
             dp = 1  # validate_config below raises the ConfigError
         cfg.training.global_batch_size = rows * dp
@@ -245,6 +245,7 @@ def plan_memory(
         dp_replicate=dims.dp_replicate,
         dp_shard=dims.dp_shard,
         sp=dims.sp,
+        tp=dims.tp,
         seq_len=seq_len,
         rows=micro,
         local_tokens=micro * seq_len // dims.sp,

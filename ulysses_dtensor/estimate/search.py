@@ -74,7 +74,7 @@ def find_max_seq_len(
         world_size = _default_world_size(cfg)
     par = cfg.parallelism
     try:
-        sp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size).sp
+        sp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring, tp=par.tp).sp
     except ValueError:
         validate_config(cfg, world_size, weights=False)  # raises the ConfigError
         raise

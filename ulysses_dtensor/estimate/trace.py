@@ -63,6 +63,30 @@ def _private_sharding_prop_fake_mode():
         sharding_prop.detect_fake_mode = original
 
 
+@contextlib.contextmanager
+def _meshes_outside_fake_mode():
+    """Let FSDP2 build the (dp, tp) mesh of tensor-parallel parameters from real ranks.
+
+    ``fully_shard`` of a TP-sharded module concatenates the FSDP and TP meshes,
+    which computes this rank's coordinates from the rank tensor; under the
+    planner's fake mode that tensor would be fake (no values to compare).
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh._concatenate
+
+    def concatenate(meshes):
+        with unset_fake_temporarily():
+            return original(meshes)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(original)
+
+
 @dataclass
 class _Trace:
     n_layers: int
@@ -105,7 +129,8 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
     t0 = time.perf_counter()
     with _fake_world(world_size):
         pmesh = dims.build_mesh("cpu")  # before fake mode: flattening reads real tensors
-        with FakeTensorMode(allow_non_fake_inputs=True), _private_sharding_prop_fake_mode():
+        with FakeTensorMode(allow_non_fake_inputs=True), _private_sharding_prop_fake_mode(), \
+                _meshes_outside_fake_mode():
             # Weight values do not matter for memory, and the init needs real data.
             model = build_model(cfg, pmesh, vocab, torch.device("cpu"), init_weights=False, args=args)
             offloader = getattr(model, "offloader", None)

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from ..batch import shard_batch
 from ..data import DocumentSource, TokenStream
 from ..loss import IGNORE_INDEX
-from ..tiling import auto_num_tiles
+from ..tiling import auto_loss_chunks
 from .position_loss import BucketSums, bucket_edges
 from .scoring import token_stats
 from .tasks import RETRIEVAL_TASKS, TASKS, SampleGenerator, depth_grid
@@ -218,7 +218,7 @@ class Evaluator:
         labels, positions = local["labels"][0], local["position_ids"][0]
         h = h[0]
         vocab = self.model.output.weight.shape[0]
-        n = self.spec.loss_chunks or auto_num_tiles(h.shape[0], vocab, h.shape[-1])
+        n = self.spec.loss_chunks or auto_loss_chunks(h.shape[0], vocab)
         for idx in torch.arange(h.shape[0], device=h.device).tensor_split(min(n, h.shape[0])):
             if idx.numel() == 0:
                 continue

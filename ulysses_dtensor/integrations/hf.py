@@ -23,6 +23,7 @@ checkpoint wrapper's prefix is already hidden from ``state_dict()`` by torch.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from typing import Callable, Mapping
 
@@ -45,6 +46,7 @@ from ..parallelize import (
     shard_model,
 )
 from ..ring_layout import layout_position_ids
+from ..tensor_parallel import check_tp_heads, hf_tp_plan, tensor_parallelize
 from ..ulysses import UlyssesAttention, kv_replication
 from .hf_attention import (
     ATTN_IMPLEMENTATION,
@@ -58,7 +60,7 @@ from .hf_attention import (
 from .family_check import verify_at_start
 from .hf_families import check_known_family, decoder_layers, is_attention_module, text_config_key
 from .hf_mixers import PER_TOKEN_LAYER_TYPES, check_layer_types, has_token_mixers, token_mixer_modules
-from .hf_memory import lean_norms, per_token_blocks, per_token_width, tile_per_token_blocks
+from .hf_memory import lean_norms, norm_formula as _norm_formula, per_token_blocks, per_token_width, tile_per_token_blocks
 from .hf_moe import install_router_aux_loss
 from .hf_positions import slice_positions, text_positions
 
@@ -67,6 +69,7 @@ __all__ = [
     "DOCUMENT_IDS_KWARG",
     "SEQ_LEN_KWARG",
     "check_ring_model",
+    "check_tp_model",
     "parallelize_hf_model",
     "register_ulysses_attention",
     "shard_hf_batch",
@@ -168,7 +171,8 @@ def parallelize_hf_model(
     """
     name = type(model).__name__
     ring = getattr(pmesh.dims, "ring", 1)
-    layers, attentions, linear = _check_model(model, pmesh.dims.ulysses, allow_untested)
+    tp = getattr(pmesh.dims, "tp", 1)
+    layers, attentions, linear = _check_model(model, pmesh.dims.ulysses, allow_untested, tp)
     status = check_known_family(model, allow_untested)
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
@@ -177,6 +181,7 @@ def parallelize_hf_model(
     blocks = per_token_blocks(name, layers) if tiled_mlp else []
     if ring > 1:
         check_ring_model(model, attentions, linear, attn_backend, ring)
+    tp_plan = check_tp_model(model, layers, linear, tp) if tp > 1 else None
     # transformers 5 renamed is_gradient_checkpointing (deprecated, warns) to is_activation_checkpointing.
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:
@@ -221,6 +226,9 @@ def parallelize_hf_model(
     # around its convolution + recurrence.
     for module, mixer in linear:
         parallelize_module(module, pmesh.sp, mixer.style(name, call))
+    # Tensor parallelism: transformers' own plan for the family, PyTorch's styles.
+    if tp_plan is not None:
+        tensor_parallelize(list(layers), pmesh.tp, tp_plan)
     # The per-token blocks over tiles of the tokens, and RMSNorms that keep only their input for
     # backward (classes swapped in place: names unchanged).
     if blocks:
@@ -263,10 +271,11 @@ def _valid_tokens(batch: int, seq: int, *, call: CallState, sp: int, sp_rank: in
 
 
 def _check_model(
-    model: nn.Module, sp: int, allow_untested: bool = False
+    model: nn.Module, sp: int, allow_untested: bool = False, tp: int = 1
 ) -> tuple[nn.ModuleList, list[nn.Module], list[nn.Module]]:
-    """Refuse what Ulysses attention cannot run correctly; return the decoder layers,
-    the attention modules and the other token mixers (module, :class:`~.hf_mixers.TokenMixer`) in them."""
+    """Refuse what Ulysses attention (``sp``: the ulysses degree) cannot run correctly,
+    with ``tp`` ranks splitting the heads first; return the decoder layers, the
+    attention modules and the other token mixers (module, :class:`~.hf_mixers.TokenMixer`) in them."""
     try:
         from transformers import PreTrainedModel
     except ImportError as e:  # pragma: no cover - the hf extra is absent
@@ -299,9 +308,12 @@ def _check_model(
     if getattr(text, "kv_lora_rank", None):
         kv_heads = heads  # MLA expands its latent into one k and v per head
     try:
-        kv_replication(heads, kv_heads, sp)
+        if tp > 1:
+            check_tp_heads(heads, kv_heads, tp, sp, name)
+        else:
+            kv_replication(heads, kv_heads, sp)
     except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
+        raise ValueError(f"{name}: {e}" if tp == 1 else str(e)) from None
 
     block_names = set(getattr(model, "_no_split_modules", None) or ())
     lists = decoder_layers(model)
@@ -329,7 +341,34 @@ def _check_model(
     return layers, attentions, linear
 
 
-def check_ring_model(model: nn.Module, attentions: list[nn.Module], linear: list[nn.Module], backend: str,
+def check_tp_model(model: nn.Module, layers: nn.ModuleList, linear: list[tuple], tp: int) -> dict[str, str]:
+    """The model's tensor-parallel plan (transformers' ``base_model_tp_plan``, block-relative),
+    or ValueError naming the model and why it cannot take ``tp``: no plan, a style this
+    package does not run, token mixers other than attention (gated delta-nets, Mamba, short
+    convolutions), or a norm whose weight gradient must be
+    summed over tp but whose forward is not one this package computes (nothing changed)."""
+    name = type(model).__name__
+    if linear:
+        module, mixer = linear[0]
+        raise ValueError(f"{name} with tp={tp}: its {type(module).__name__} layers ({mixer.kind}s) are not "
+                         "split over tp ranks; use tp=1")
+    plan = hf_tp_plan(model, "layers.*.")
+    block = dict(layers[0].named_modules())
+    for key, style in plan.items():
+        targets = fnmatch.filter(block, key)
+        if not targets:
+            raise ValueError(f"{name}: base_model_tp_plan names layers.*.{key}, which its decoder layer "
+                             f"{type(layers[0]).__name__} does not have; use tp=1")
+        if style == "replicated_with_grad_allreduce":
+            for target in targets:
+                if _norm_formula(block[target]) is None:
+                    raise ValueError(f"{name} with tp={tp}: {key} ({type(block[target]).__name__}) sees only a tp "
+                                     "rank's heads, and its forward is not an RMSNorm this package computes (it would "
+                                     "sum its weight's gradient over tp); use tp=1")
+    return plan
+
+
+def check_ring_model(model: nn.Module, attentions: list[nn.Module], linear: list[tuple], backend: str,
                      ring: int) -> None:
     """Refuse, naming the model and the reason, what ring attention (``ring > 1``) does not run:
     its blocks are merged from plain causal kernels (no window, soft-cap or sinks), and a

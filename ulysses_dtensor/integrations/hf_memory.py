@@ -26,9 +26,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..models.norm import rms_norm
+from ..tensor_parallel import sum_grad_over
 from ..tiling import _tiles, auto_num_tiles
 
-__all__ = ["PER_TOKEN_BLOCK_NAMES", "LeanRMSNorm", "TiledPerToken", "lean_norms", "per_token_block", "per_token_blocks", "per_token_width",
+__all__ = ["PER_TOKEN_BLOCK_NAMES", "LeanRMSNorm", "TiledPerToken", "lean_norms", "norm_formula", "per_token_block", "per_token_blocks", "per_token_width",
            "tile_per_token_blocks"]
 
 # What decoder layers call their per-token block (dense MLP or MoE), in the
@@ -162,9 +163,11 @@ class LeanRMSNorm:
 
     sp_norm_eps: float = 1e-6
     sp_norm_formula: dict = _FORMULAS[0]
+    sp_grad_group = None  # tensor parallelism: see models.norm.RMSNorm
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return rms_norm(hidden_states, self.weight, self.sp_norm_eps, **self.sp_norm_formula)
+        weight = sum_grad_over(self.weight, self.sp_grad_group)
+        return rms_norm(hidden_states, weight, self.sp_norm_eps, **self.sp_norm_formula)
 
 
 _LEAN_CLASSES: dict[type, type] = {}
@@ -219,6 +222,15 @@ def _formula(module: nn.Module, eps: float) -> dict | None:
     return _PROVEN[key]
 
 
+def norm_formula(module: nn.Module) -> dict | None:
+    """Which of ``rms_norm``'s formulas ``module`` computes, proven (None: not an RMSNorm
+    this package computes)."""
+    if isinstance(module, LeanRMSNorm):
+        return module.sp_norm_formula
+    eps = _norm_eps(module)
+    return None if eps is None else _formula(module, eps)
+
+
 def lean_norms(model: nn.Module) -> int:
     """Swap every RMSNorm of ``model`` whose forward is proven to be one of
     :func:`~ulysses_dtensor.models.norm.rms_norm`'s formulas for that function (same
@@ -235,11 +247,10 @@ def lean_norms(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, LeanRMSNorm):
             continue
-        eps = _norm_eps(module)
-        formula = None if eps is None else _formula(module, eps)
+        formula = norm_formula(module)
         if formula is None:
             continue
-        cls = type(module)
+        cls, eps = type(module), _norm_eps(module)
         if cls not in _LEAN_CLASSES:
             _LEAN_CLASSES[cls] = type(f"Lean{cls.__name__}", (LeanRMSNorm, cls), {})
         module.__class__ = _LEAN_CLASSES[cls]

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..loss import IGNORE_INDEX
-from ..tiling import auto_num_tiles
+from ..tiling import auto_loss_chunks
 
 __all__ = ["OutputHead", "OutputHeadSpec", "SPOutputHead", "check_output_head", "output_head_spec"]
 
@@ -206,7 +206,7 @@ class SPOutputHead:
         if hidden.shape[:-1] != labels.shape:
             raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree")
         seq = hidden.shape[1]
-        n = self.sp_loss_chunks or auto_num_tiles(seq, self.weight.shape[0], hidden.shape[-1])
+        n = self.sp_loss_chunks or auto_loss_chunks(hidden.shape[0] * seq, self.weight.shape[0])
         n = max(1, min(n, seq))
         if n == 1:
             total = _chunk_loss_sum(hidden, self.weight, self.bias, labels, self.sp_spec)

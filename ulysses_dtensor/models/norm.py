@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..tensor_parallel import sum_grad_over
+
 __all__ = ["RMSNorm", "rms_norm"]
 
 # Elements per chunk: bounds each float32 temporary to 256 MiB (16K tokens at dim
@@ -119,7 +121,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: float = 0.0, cast
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 whatever the activation dtype (see module doc)."""
+    """RMSNorm computed in float32 whatever the activation dtype (see module doc).
+
+    ``sp_grad_group`` (set by tensor parallelism for a norm over one head's dim,
+    which sees only its rank's heads): the process group the weight's gradient is
+    summed over.
+    """
+
+    sp_grad_group = None
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -127,7 +136,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, sum_grad_over(self.weight, self.sp_grad_group), self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -185,6 +185,7 @@ def check_values(cfg: JobConfig) -> None:
     positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, 0)
     positive("model.vocab_multiple_of", cfg.model.vocab_multiple_of)
     positive("parallelism.ring", cfg.parallelism.ring)
+    positive("parallelism.tp", cfg.parallelism.tp)
     if not 0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_ratio={cfg.lr_scheduler.min_lr_ratio} must be in [0, 1]")
     if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
@@ -261,7 +262,7 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
 
     par = cfg.parallelism
     try:
-        dims = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring)
+        dims = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring, tp=par.tp)
     except ValueError as e:
         raise ConfigError(f"parallelism: {e}") from None
 
@@ -293,12 +294,19 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
     from .rope_stages import stage_ropes
 
     stage_ropes(cfg, args)  # every stage's rope_theta / rope_scaling (ConfigError)
+    from ..tensor_parallel import check_tp_heads
     from ..ulysses import kv_replication
 
+    model = f"model.hf_path={cfg.model.hf_path!r}" if cfg.model.hf_path else f"model.flavor={cfg.model.flavor!r}"
+    if dims.tp > 1:
+        try:
+            check_tp_heads(args.n_heads, args.n_kv_heads or args.n_heads, dims.tp, dims.ulysses, model)
+        except ValueError as e:
+            raise ConfigError(f"parallelism.tp={dims.tp}: {e}") from None
+        return dims
     try:
         kv_replication(args.n_heads, args.n_kv_heads or args.n_heads, dims.ulysses)
     except ValueError as e:
-        model = f"model.hf_path={cfg.model.hf_path!r}" if cfg.model.hf_path else f"model.flavor={cfg.model.flavor!r}"
         if dims.ring == 1:
             where = f"parallelism.sp={dims.sp}"
             hint = "; parallelism.ring > 1 splits sp into ring x ulysses, and only ulysses must suit the heads"

@@ -104,6 +104,9 @@ class Parallelism:
     ring: int = _f(1, "ring-attention degree inside sp: sp = ring x ulysses, the Ulysses "
                       "all-to-all within groups of sp/ring consecutive ranks (a node), the ring "
                       "across them (1: Ulysses only)")
+    tp: int = _f(1, "tensor-parallel degree: the innermost ranks split each block's weights (heads, "
+                    "MLP width) with PyTorch's Colwise/RowwiseParallel; world = dp_replicate x dp_shard "
+                    "x sp x tp (1: none)")
 
 
 @dataclass
@@ -186,7 +189,7 @@ class Memory:
     tiled_mlp: bool = _f(False, "compute each MLP over sequence tiles (no whole (seq, ffn) tensors)")
     mlp_tiles: int = _f(0, "MLP tiles (0: from the shapes, about seq*ffn/dim^2)")
     tiled_loss: bool = _f(False, "compute logits + loss over sequence chunks (no whole (seq, vocab) logits)")
-    loss_chunks: int = _f(0, "loss chunks (0: from the shapes)")
+    loss_chunks: int = _f(0, "loss chunks (0: from the shapes, at most 1 GiB of float32 logits each)")
     offload_activations: bool = _f(
         False, "keep checkpointed block inputs in pinned host memory (needs activation_checkpoint.mode='full')"
     )

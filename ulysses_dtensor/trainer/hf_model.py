@@ -165,7 +165,7 @@ def check_transformers_model(cfg, dims, *, weights: bool = True) -> None:
     except ValueError as e:  # not a causal LM architecture transformers knows
         why = str(e).split("\nModel type should be one of")[0]  # not the list of every class
         raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {why}") from None
-    from ..integrations.hf import _check_model, check_ring_model
+    from ..integrations.hf import _check_model, check_ring_model, check_tp_model
     from ..integrations.hf_memory import per_token_blocks
     from ..integrations.hf_attention import check_backend_for_patterns, model_patterns
     from ..integrations.hf_causal_lm import router_aux_setup
@@ -174,9 +174,12 @@ def check_transformers_model(cfg, dims, *, weights: bool = True) -> None:
     from .rope_stages import stage_ropes
 
     name = type(model).__name__
-    mesh = f"parallelism.sp={dims.sp}" + (f", parallelism.ring={dims.ring}" if dims.ring > 1 else "")
+    mesh = (f"parallelism.sp={dims.sp}" + (f", parallelism.ring={dims.ring}" if dims.ring > 1 else "")
+            + (f", parallelism.tp={dims.tp}" if dims.tp > 1 else ""))
     try:
-        layers, attentions, linear = _check_model(model, dims.ulysses, cfg.model.allow_untested)
+        layers, attentions, linear = _check_model(model, dims.ulysses, cfg.model.allow_untested, tp=dims.tp)
+        if dims.tp > 1:
+            check_tp_model(model, layers, linear, dims.tp)
         # A backend named in the config that cannot express a layer's pattern
         # (e.g. sinks on flash_attn) fails here, not at the first step.
         check_backend_for_patterns(name, cfg.model.attn_backend, model_patterns(text, attentions))

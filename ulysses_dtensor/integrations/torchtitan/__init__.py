@@ -7,14 +7,16 @@ Launch (torchtitan looks up ``<module>.config_registry``)::
 
 Pieces, each on one of torchtitan's extension points:
 
-* :mod:`.config_registry`: torchtitan's stock llama3 / qwen3 configs with
-  Ulysses switched on (``ulysses.degree``, ``ulysses.attention_backend``);
+* :mod:`.config_registry`: torchtitan's stock llama3 / qwen3 / qwen3 MoE /
+  deepseek_v3 configs with Ulysses switched on (``ulysses.degree``,
+  ``ulysses.attention_backend``);
 * :mod:`.trainer`: ``UlyssesTrainer`` (a ``Trainer`` subclass with its
   ``Config``), ``UlyssesValidator``;
 * :mod:`.metrics`: ``UlyssesMetricsProcessor`` (torchtitan's, with the max
   loss taken over whole samples, not sp slices);
 * :mod:`.parallelize`: the ``ModelSpec.parallelize_fn`` (our ``UlyssesAttention``
-  at ``layers.*.attention.inner_attention``, then torchtitan's AC, compile, FSDP2);
+  inside ``layers.*.attention.inner_attention``, then torchtitan's TP / EP, AC,
+  compile, FSDP2; its pipeline split calls it per stage);
 * :mod:`.attention`: our local backends as an inner-attention module, installed
   by a torchtitan override;
 * :mod:`.batch`: the sp slice of a batch with global positions and masks.

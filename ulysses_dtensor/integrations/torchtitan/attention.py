@@ -12,8 +12,11 @@ torch varlen and flex, all taking packed documents as GLOBAL document ids in
 The swap is a torchtitan override (``config/override.py``): listing
 ``ulysses_dtensor.integrations.torchtitan.attention.ulysses_inner_attention``
 in ``--override.imports`` (with ``{"backend": ...}``) replaces the inner
-attention of every GQA attention config. :class:`~.trainer.UlyssesTrainer`
-activates it from ``ulysses.attention_backend``.
+attention of every attention config (GQA: llama3, qwen3; MLA: deepseek_v3).
+The replaced config keeps the sharding config torchtitan declared on the inner
+attention (its ``local_map`` under tensor parallelism: q, k, v arrive as the
+local heads of a tp rank). :class:`~.trainer.UlyssesTrainer` activates it from
+``ulysses.attention_backend``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 from torchtitan.config.override import override
-from torchtitan.models.common.attention import GQAttention
+from torchtitan.models.common.attention import BaseAttention
 from torchtitan.protocols.module import Module
 
 from ...attention import check_backend, local_attention
@@ -51,11 +54,12 @@ class UlyssesInnerAttention(Module):
         super().__init__()
         self.backend = check_backend(config.backend)
 
+    # torchtitan's argument names: its sharding configs (local_map) key on them.
     def forward(
         self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
+        q_BLNH: Tensor,
+        k_BLNH: Tensor,
+        v_BLNH: Tensor,
         *,
         attention_masks: Tensor | None = None,
         scale: float | None = None,
@@ -69,7 +73,7 @@ class UlyssesInnerAttention(Module):
                 f"{type(attention_masks).__name__}"
             )
         return local_attention(
-            q, k, v, backend=self.backend, causal=True, document_ids=attention_masks, scale=scale
+            q_BLNH, k_BLNH, v_BLNH, backend=self.backend, causal=True, document_ids=attention_masks, scale=scale
         )
 
     def extra_repr(self) -> str:
@@ -77,11 +81,13 @@ class UlyssesInnerAttention(Module):
 
 
 @override(
-    target=GQAttention.Config,
+    target=BaseAttention.Config,
     description="ulysses_dtensor: our local attention backends as the inner attention",
 )
-def ulysses_inner_attention(cfg: GQAttention.Config, *, backend: str = "auto") -> GQAttention.Config:
-    return dataclasses.replace(cfg, inner_attention=UlyssesInnerAttention.Config(backend=backend))
+def ulysses_inner_attention(cfg: BaseAttention.Config, *, backend: str = "auto") -> BaseAttention.Config:
+    # torchtitan sets sharding configs before overrides run: keep the inner attention's.
+    sharding = cfg.inner_attention.sharding_config
+    return dataclasses.replace(cfg, inner_attention=UlyssesInnerAttention.Config(backend=backend, sharding_config=sharding))
 
 
 OVERRIDE_TARGET = f"{ulysses_inner_attention.__module__}.{ulysses_inner_attention.__name__}"

@@ -7,9 +7,11 @@ is aligned with its input before anything is sliced: the rule of our
 construction, and this step only pads and slices. The rest follows
 ``shard_batch``:
 
-* pad the sequence to a multiple of sp; pad labels are ignored. Pad positions
-  restart at 0 (a document of their own) so they stay inside torchtitan's rope
-  cache, which it sizes to ``training.seq_len``;
+* pad the sequence to a multiple of sp (of sp x tp under tensor parallelism:
+  torchtitan's sequence parallelism and its MoE split each sp slice again over
+  the tp ranks); pad labels are ignored. Pad positions restart at 0 (a
+  document of their own) so they stay inside torchtitan's rope cache, which it
+  sizes to ``training.seq_len``;
 * positions stay GLOBAL (rank r holds positions ``r*S/P ...`` or the packed
   documents' own), so rope on a slice equals rope on the whole sequence;
 * attention masks are built from the WHOLE sequence's positions and passed
@@ -58,6 +60,7 @@ def shard_for_sp(
     sp_mesh: DeviceMesh | None = None,
     sp_rank: int | None = None,
     sp_size: int | None = None,
+    tp_size: int = 1,
     pad_token_id: int = 0,
 ) -> tuple[Tensor, Tensor, dict[str, Any], int]:
     """Pad, build global masks, slice: what the model forward and the loss take on this rank.
@@ -70,6 +73,8 @@ def shard_for_sp(
         model: the (parallelized) decoder, for its inner attention's mask kind.
         sp_mesh: the 1-D sp mesh (torchtitan's ``cp`` mesh), or give
             ``sp_rank`` and ``sp_size``; ``None`` for no sequence split.
+        tp_size: torchtitan's tensor-parallel degree (the tp ranks of an sp
+            rank share its slice; the slice length is made divisible by it).
 
     Returns ``(inputs, labels, extra_kwargs, real_tokens)``: this rank's
     ``(B, S_pad / sp)`` slices, kwargs with local ``positions`` and global
@@ -98,7 +103,8 @@ def shard_for_sp(
             f"positions shape {tuple(positions.shape)} must equal inputs shape {tuple(inputs.shape)}"
         )
 
-    padded = -(-seq // sp_size) * sp_size
+    multiple = sp_size * tp_size
+    padded = -(-seq // multiple) * multiple
     if padded != seq:
         extra_len = padded - seq
         inputs = torch.cat([inputs, inputs.new_full((bsz, extra_len), pad_token_id)], dim=1)

@@ -50,13 +50,15 @@ class SampleLossTally:
     def recorded(self) -> bool:
         return self.share is not None
 
-    def add(self, share: Tensor, labels: Tensor, global_valid: Tensor) -> None:
+    def add(self, share: Tensor, labels: Tensor | list[Tensor], global_valid: Tensor) -> None:
         """``share``: what the forward-backward step returned; ``labels``: the data
-        rank's rows before the sequence split; ``global_valid``: the step's global count."""
+        rank's rows before the sequence split (a list of micro-batches under pipeline
+        parallelism); ``global_valid``: the step's global count."""
         share = share.detach()
         if isinstance(share, DTensor):
             share = share.to_local()
-        valid = (labels != IGNORE_INDEX).sum()
+        valid = sum((lab != IGNORE_INDEX).sum() for lab in labels) if isinstance(labels, list) else (
+            (labels != IGNORE_INDEX).sum())
         self.share = share.clone() if self.share is None else self.share + share
         self.valid = valid if self.valid is None else self.valid + valid
         self.global_valid = global_valid

@@ -37,11 +37,11 @@ from torchtitan.trainer import Trainer
 from ...attention import BACKENDS
 from ...mesh import divisors
 from ...suggest import unknown_name
-from ._torch_compat import ensure_set_timeout
+from ._torch_compat import ensure_microbatch_step, ensure_set_timeout
 from .attention import OVERRIDE_TARGET
 from .batch import shard_for_sp
 from .metrics import UlyssesMetricsProcessor, max_loss_config
-from .parallelize import check_heads, ulysses_model_spec
+from .parallelize import check_parallelism, ulysses_model_spec
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -59,7 +59,8 @@ ATTENTION_BACKENDS = ("model", *BACKENDS)
 @dataclass(kw_only=True, slots=True)
 class UlyssesConfig:
     degree: int = 1
-    """Ulysses sequence-parallel degree: ranks that share one sample (1 = off). Must divide the heads."""
+    """Ulysses sequence-parallel degree: ranks that share one sample (1 = off). Must divide the heads
+    (the heads / tp of a tp rank under tensor parallelism)."""
 
     attention_backend: str = "auto"
     """Inner attention run on the full sequence: auto, sdpa, flex, varlen, flash_attn (ours, packed
@@ -107,13 +108,6 @@ def validate_ulysses(config: "UlyssesTrainer.Config") -> None:
             f"parallelism.spmd_backend={p.spmd_backend!r}: the Ulysses plug-in runs torchtitan's "
             "'partial_dtensor' path; set parallelism.spmd_backend='partial_dtensor'"
         )
-    for name in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
-        if getattr(p, name) > 1:
-            raise ValueError(
-                f"parallelism.{name}={getattr(p, name)}: the Ulysses plug-in composes with "
-                "FSDP/HSDP, activation checkpointing and compile, not yet with tensor, pipeline "
-                "or expert parallelism; set it to 1"
-            )
     if not config.training.disable_cuda_graphs:
         raise ValueError(
             "training.disable_cuda_graphs=False: CUDA graphs capture the whole forward and "
@@ -127,13 +121,22 @@ def validate_ulysses(config: "UlyssesTrainer.Config") -> None:
             f"override.imports lists {OVERRIDE_TARGET}, which UlyssesTrainer activates itself; "
             "remove it and choose the backend with ulysses.attention_backend"
         )
-    if sp > 1 and config.model_spec is not None:
-        check_heads(config.model_spec.model, sp)
+    tp = p.tensor_parallel_degree
+    if config.model_spec is not None:
+        check_parallelism(config.model_spec.model, sp=sp, tp=tp, ep=p.expert_parallel_degree)
     seq_len = config.training.seq_len
-    if sp > 1 and seq_len % (2 * sp):
+    # torchtitan's own check, on its cp axis (which carries the Ulysses split) and, with its
+    # sequence parallelism, on tp; made here, named in our terms, before anything starts
+    factors = [f"2 * ulysses.degree = {2 * sp}"] if sp > 1 else []
+    if tp > 1 and p.enable_sequence_parallel:
+        factors.append(f"parallelism.tensor_parallel_degree = {tp} (sequence parallelism)")
+    divisor = (2 * sp if sp > 1 else 1) * (tp if p.enable_sequence_parallel else 1)
+    if seq_len % divisor:
+        product = factors[0] if len(factors) == 1 else f"({') x ('.join(factors)}) = {divisor}"
+        below, above = seq_len // divisor * divisor, -(-seq_len // divisor) * divisor
         raise ValueError(
-            f"training.seq_len={seq_len} must be divisible by 2 * ulysses.degree = {2 * sp}: "
-            "torchtitan's trainer checks this on its cp mesh axis, which carries the Ulysses split"
+            f"training.seq_len={seq_len} must be divisible by {product}: e.g. "
+            f"{f'{below} or ' if below else ''}{above}"
         )
     if isinstance(config.loss, ChunkedLossWrapper.Config) and (seq_len // sp) % config.loss.num_chunks:
         raise ValueError(
@@ -173,6 +176,7 @@ class UlyssesValidator(Validator):
         inputs, labels, extra, _ = shard_for_sp(
             input_dict["input"], labels, extra,
             model=model_parts[0], sp_mesh=self.parallel_dims.get_optional_mesh("cp"),
+            tp_size=self.parallel_dims.tp,
         )
         return inputs, labels, extra
 
@@ -197,6 +201,8 @@ class UlyssesTrainer(Trainer):
         if ensure_set_timeout():
             logger.info("torch.distributed.set_timeout (torch > 2.13) provided from torch's _set_pg_timeout")
         super().__init__(config)
+        if self.parallel_dims.pp_enabled and ensure_microbatch_step(self.pp_schedule):
+            logger.info("pipeline schedule: step(arg_mbs=...) (torch > 2.13) provided from its _step_microbatches")
 
     def init_distributed(self) -> ParallelDims:
         config = self.config
@@ -207,13 +213,16 @@ class UlyssesTrainer(Trainer):
         )
         p, sp = config.parallelism, config.ulysses.degree
         dp_replicate, dp_shard = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
-        fixed = dp_replicate * sp * (dp_shard if dp_shard > 0 else 1)
+        tp, pp = p.tensor_parallel_degree, p.pipeline_parallel_degree
+        fixed = dp_replicate * sp * tp * pp * (dp_shard if dp_shard > 0 else 1)
         if world_size % fixed or (dp_shard > 0 and fixed != world_size):
+            others = "".join(f" x {name}={d}" for name, d in (
+                ("tensor_parallel_degree", tp), ("pipeline_parallel_degree", pp)) if d > 1)
             raise ValueError(
                 f"world size {world_size} does not fit data_parallel_replicate_degree={dp_replicate} "
-                f"x data_parallel_shard_degree={dp_shard} x ulysses.degree={sp}; with "
-                f"data_parallel_shard_degree=-1, ulysses.degree x data_parallel_replicate_degree "
-                f"must divide {world_size}: {divisors(world_size)}"
+                f"x data_parallel_shard_degree={dp_shard} x ulysses.degree={sp}{others}; with "
+                f"data_parallel_shard_degree=-1, their product without it must divide {world_size}: "
+                f"{divisors(world_size)}"
             )
         logger.info(f"Ulysses sequence parallel degree {sp} (on torchtitan's cp mesh axis)")
         return ParallelDims(
@@ -237,8 +246,10 @@ class UlyssesTrainer(Trainer):
         loss = super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
-        # labels: this data rank's rows before the sp split (the max loss counts them)
-        self.metrics_processor.sample_losses.add(loss, labels, global_valid_tokens)
+        # labels: this data rank's rows before the sp split (the max loss counts them); under
+        # pipeline parallelism its micro-batches, and only the last stage holds the loss.
+        if not self.parallel_dims.pp_enabled or self.pp_has_last_stage:
+            self.metrics_processor.sample_losses.add(loss, labels, global_valid_tokens)
         return loss
 
     def post_dataloading_process(
@@ -248,6 +259,7 @@ class UlyssesTrainer(Trainer):
         inputs, labels, extra, real_tokens = shard_for_sp(
             input_dict["input"], labels, extra,
             model=self.model_parts[0], sp_mesh=self.parallel_dims.get_optional_mesh("cp"),
+            tp_size=self.parallel_dims.tp,
         )
         # This rank's own tokens, as torchtitan counts after its CP split.
         self.ntokens_seen += real_tokens
