@@ -300,8 +300,8 @@ def _refusals_worker(rank: int, world: int) -> list[str]:
                "['linear_attention']", "OlmoHybridGatedDeltaNet")
         # Mixers that run (Mamba-2, here) refuse an sp their heads / groups cannot take, naming the valid ones.
         refuse(auto(T.GraniteMoeHybridConfig(**small, num_attention_heads=4, layer_types=["mamba", "attention"],
-                                             mamba_d_state=8, mamba_n_heads=6, mamba_d_head=8, mamba_n_groups=3,
-                                             mamba_expand=1.5)), 2,
+                                             mamba_d_state=8, mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=3,
+                                             mamba_expand=3)), 2,
                "GraniteMoeHybridMambaLayer has 6 heads in 3 groups", "valid sp: [1, 3, 6]")
     return msgs
 

@@ -385,7 +385,9 @@ def test_sampled_families_resume_on_another_mesh_evaluate_and_export(tmp_path, c
         jobs[resumed][at + 1: at + 4] = ["2", "--parallelism.sp", "1"]
         seeds[resumed] = (tmp_path / "runs" / name / "checkpoint" / "step-1",
                           tmp_path / "runs" / resumed / "checkpoint" / "step-1")
-    out = run_ranks(2, _train_all, jobs, seeds)[0]
+    # Each family trains twice (sp 2, then resumed on dp_shard 2) and checkpoints: ten of them take
+    # minutes on a loaded 2-core machine, more than the pool's default task timeout.
+    out = run_ranks(2, _train_all, jobs, seeds, timeout=120 + 120 * len(sample))[0]
     table = []
     for name in sample:
         model, router = models[name]
