@@ -34,6 +34,14 @@ What it does, printing one JSON object per line:
 4. ``data_need``: the tokens/s one rank must load for a Llama-3-8B at 1M tokens
    per step on 8 H100 (see ``need()`` for the arithmetic), against the
    prepared loader's measured rate.
+5. ``data_packing`` (SFT rows): a realistic length mix (``--packing-samples``
+   samples, log-normal around ``--packing-median`` tokens with a long tail),
+   rows of ``--packing-seq`` tokens (64K): the padding share of best-fit
+   decreasing packing per window size (``data.packing_window``; samples longer
+   than a row split, ``data.overlong = "split"``), the end-to-end cut's padding
+   (none) and how many samples it splits, and the packing time. Then
+   ``data_loader`` rows with ``"packing": "bfd"``: the best-fit loader on the
+   store (its documents taken as samples), tokens/s beside the stream cut's.
 """
 
 from __future__ import annotations
@@ -53,7 +61,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ulysses_dtensor.data import FileCorpus, PackedLoader, TokenStore, TokenStream, build_tokenizer  # noqa: E402
+from ulysses_dtensor.data.bestfit import BestFitRows  # noqa: E402
 from ulysses_dtensor.data.prepare import prepare_store  # noqa: E402
+from ulysses_dtensor.data.token_docs import TokenDocs  # noqa: E402
 
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s, as trainer/metrics.py
 
@@ -167,7 +177,7 @@ def _mem() -> dict:
 
 
 def _measure(kind: str, raw_dir: str, store_dir: str, tok_path: str, dp: int, rank: int, rows: int,
-             seq: int, steps: int, queue) -> None:
+             seq: int, steps: int, queue, packing: str = "stream") -> None:
     try:
         tok = build_tokenizer(tok_path)
         before = _mem()
@@ -183,7 +193,7 @@ def _measure(kind: str, raw_dir: str, store_dir: str, tok_path: str, dp: int, ra
             t_idx = time.perf_counter()
             stream.docs.build_index(rank, dp, lambda mine: [mine if q == rank else full[q::dp] for q in range(dp)])
             index_s = time.perf_counter() - t_idx
-        loader = PackedLoader(stream, dp_rank=rank, dp_size=dp)
+        loader = PackedLoader(stream, dp_rank=rank, dp_size=dp, packing=packing, overlong="split")
         first = loader.next_batch(rows * dp, seq)
         t_first = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -203,16 +213,80 @@ def _measure(kind: str, raw_dir: str, store_dir: str, tok_path: str, dp: int, ra
         queue.put({"error": repr(e)})
 
 
-def measure(*args) -> dict:
+def measure(*args, packing: str = "stream") -> dict:
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
-    p = ctx.Process(target=_measure, args=(*args, q))
+    p = ctx.Process(target=_measure, args=(*args, q, packing))
     p.start()
     rec = q.get()
     p.join()
     if "error" in rec:
         raise RuntimeError(rec["error"])
     return rec
+
+
+# --------------------------------------------------------------------------- #
+# SFT rows: best-fit decreasing vs the end-to-end cut
+# --------------------------------------------------------------------------- #
+
+
+class SampleLengths(TokenDocs):
+    """Samples of given lengths (tokens made on demand): what packing needs is lengths."""
+
+    def __init__(self, lengths):
+        self.cum = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    def __len__(self):
+        return len(self.cum) - 1
+
+    def cum_tokens(self, ids):
+        return self.cum[np.asarray(ids, dtype=np.int64)]
+
+    def tokens(self, i, start, stop):
+        return np.arange(start, stop, dtype=np.int64)
+
+    def fingerprint(self):
+        return f"lengths:{len(self)}"
+
+
+def sft_lengths(n: int, median: int, seed: int = 0) -> np.ndarray:
+    """A chat-SFT-like mix: log-normal around ``median`` tokens (sigma 0.8), plus 3% long
+    samples (log-normal around 8x the median, sigma 0.6): a long tail past 64K."""
+    rng = np.random.default_rng(seed)
+    body = rng.lognormal(np.log(median), 0.8, n)
+    tail = rng.random(n) < 0.03
+    body[tail] = rng.lognormal(np.log(8 * median), 0.6, int(tail.sum()))
+    return np.maximum(16, body).astype(np.int64)
+
+
+def packing_figures(n: int, median: int, seq: int, windows: list[int]) -> list[dict]:
+    """One epoch of ``n`` samples packed into rows of ``seq`` tokens, each way."""
+    lengths = sft_lengths(n, median)
+    docs = SampleLengths(lengths)
+    stream = TokenStream(docs, seed=0)
+    order = stream.order.docs_between(0, 0, n)
+    cum = np.cumsum(lengths[order])
+    starts = cum - lengths[order]
+    cut = int(((starts // seq) != ((cum - 1) // seq)).sum())  # samples a row end falls inside
+    base = {"samples": n, "tokens": int(lengths.sum()), "median_tokens": int(np.median(lengths)),
+            "mean_tokens": round(float(lengths.mean())), "p99_tokens": int(np.percentile(lengths, 99)),
+            "longest": int(lengths.max()), "seq": seq, "longer_than_row": int((lengths > seq).sum())}
+    out = [{**base, "packing": "stream", "pad_share": 0.0, "rows": -(-int(lengths.sum()) // seq),
+            "samples_split": cut, "samples_split_share": round(cut / n, 4)}]
+    for w in windows:
+        packer = BestFitRows(TokenStream(docs, seed=0), window=w, overlong="split")
+        t0 = time.perf_counter()
+        rows = used = 0
+        while packer.epoch == 0:  # the packer moves to epoch 1 right after the epoch's last row
+            (row,) = packer.take(1, seq)
+            rows += 1
+            used += sum(b - a for _, a, b in row)
+        secs = time.perf_counter() - t0
+        assert used == int(lengths.sum())  # every token of the epoch once (samples longer than a row: split)
+        out.append({**base, "packing": "bfd", "window": w, "rows": rows, "pad_share": round(1.0 - used / (rows * seq), 5),
+                    "samples_split": packer.split, "pack_seconds": round(secs, 2),
+                    "pack_us_per_sample": round(1e6 * secs / n, 1)})
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -263,11 +337,16 @@ def main(argv=None) -> None:
     p.add_argument("--long-seq", type=int, default=1 << 20, help="one row of this length per step (store); 0: skip")
     p.add_argument("--mfu", type=float, default=0.5)
     p.add_argument("--paths", nargs="+", default=["prepared", "raw"], choices=["prepared", "raw"])
+    p.add_argument("--packing-samples", type=int, default=100_000, help="SFT samples of the packing figures")
+    p.add_argument("--packing-median", type=int, default=3000, help="their median length in tokens")
+    p.add_argument("--packing-seq", type=int, default=65536, help="row length of the packing figures")
+    p.add_argument("--packing-windows", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     p.add_argument("--quick", action="store_true", help="1 MB corpus, 512-token vocabulary, dp 1 8, few steps")
     a = p.parse_args(argv)
     if a.quick:
         a.size_gb, a.files, a.vocab, a.dp, a.steps, a.long_seq = 1 / 1024, 2, 512, [1, 8], 3, 1 << 16
         a.workers = min(a.workers, 2)
+        a.packing_samples, a.packing_windows = 2000, [256, 1024]
     root = Path(a.dir)
     raw, store = root / "raw", root / "store"
     base = {**env(), "corpus_bytes_target": int(a.size_gb * (1 << 30))}
@@ -286,6 +365,9 @@ def main(argv=None) -> None:
               "documents": m["documents"], "tokens": m["tokens"], "tokens_per_s": round(m["tokens"] / secs),
               "store_bytes": sum(f.stat().st_size for f in store.iterdir()), "shards": len(m["shards"])})
 
+    for rec in packing_figures(a.packing_samples, a.packing_median, a.packing_seq, a.packing_windows):
+        emit({"bench": "data_packing", **base, **rec})
+
     best = 0.0
     for dp in a.dp:
         ref_rows = None
@@ -300,6 +382,12 @@ def main(argv=None) -> None:
                     best = max(best, rec["tokens_per_s_per_rank"])
                 emit({"bench": "data_loader", **base, "path": kind, "dp": dp, "rank": rank, "rows": a.rows,
                       "seq": a.seq, "steps": a.steps, **rec})
+    # best-fit rows read from the store: the loader's own cost beside the stream cut's
+    rec = measure("prepared", str(raw), str(store), str(tok_path), a.dp[-1], 0, a.rows, a.seq, a.steps, packing="bfd")
+    rec.pop("first_rows")
+    emit({"bench": "data_loader", **base, "path": "prepared", "packing": "bfd", "dp": a.dp[-1], "rank": 0,
+          "rows": a.rows, "seq": a.seq, "steps": a.steps, **rec})
+    bfd_best = rec["tokens_per_s_per_rank"]
     if a.long_seq:
         rec = measure("prepared", str(raw), str(store), str(tok_path), 1, 0, 1, a.long_seq, max(2, a.steps // 4))
         rec.pop("first_rows")
@@ -310,7 +398,8 @@ def main(argv=None) -> None:
     # same 1M tokens per step (sp 1, dp 8: the most tokens per second of the schedule)
     for n in (need(a.mfu), need(a.mfu, seq_len=8192, sp=1)):
         emit({"bench": "data_need", **base, **n, "prepared_tokens_per_s_per_rank": best or None,
-              "headroom": round(best / n["rank_tokens_per_s"], 1) if best else None})
+              "headroom": round(best / n["rank_tokens_per_s"], 1) if best else None,
+              "bfd_tokens_per_s_per_rank": bfd_best, "bfd_headroom": round(bfd_best / n["rank_tokens_per_s"], 1)})
 
 
 if __name__ == "__main__":

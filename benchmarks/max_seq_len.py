@@ -15,6 +15,8 @@ then the CUDA context, NCCL buffers and caching-allocator fragmentation.
     python benchmarks/max_seq_len.py --quick              # smoke run: debug model on 2 GPUs, seconds
     python benchmarks/max_seq_len.py --models llama3_8b --gpus 64 128 --ulysses 8 --features all+offload_params
                                                           # USP: Ulysses inside 8-GPU nodes, ring across them
+    python benchmarks/max_seq_len.py --sweep qwen3_8b 1 --lengths 65536 --features all --lora 16
+                                                          # LoRA adapters of rank 16 (transformers configs)
 
 One JSON object per (model, GPUs, features) on stdout; a markdown table on
 stderr at the end (and in --table FILE); a PNG of planned peak vs sequence
@@ -104,8 +106,13 @@ def layout(flavor: str, gpus: int, ulysses: int = 0, tp: int = 1) -> tuple[int, 
     return best, gpus // best, 1
 
 
+def label(features: str, lora: int = 0) -> str:
+    """The feature set's name in records and tables (``all+lora16`` with LoRA adapters)."""
+    return f"{features}+lora{lora}" if lora else features
+
+
 def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0, mlp_tiles: int = 0,
-                tp: int = 1):
+                tp: int = 1, lora: int = 0):
     sp, dp_shard, ring = layout(flavor, gpus, ulysses, tp)
     if flavor in HF_MODELS:
         model = ["--model.hf_path", str(HF_CONFIGS / flavor), "--model.implementation", "transformers"]
@@ -132,6 +139,8 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulys
         argv += ["--memory.mlp_tiles", str(mlp_tiles)]
     for key, value in feats.items():
         argv += [f"--memory.{key}", "true" if value is True else str(value)]
+    if lora:  # adapters on every projection, the base frozen in bf16 (needs an HF config: model.hf_path)
+        argv += ["--lora.rank", str(lora), "--lora.alpha", str(2 * lora)]
     return load_config(argv), sp, dp_shard, ring
 
 
@@ -153,7 +162,9 @@ def stamp() -> dict:
 
 
 def run_one(flavor, gpus, features, ns, log) -> dict:
-    cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp)
+    cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp,
+                                          ns.lora)
+    features = label(features, ns.lora)
     usp = f" = ring {ring} x ulysses {sp // ring}" if ring > 1 else ""
     tp = f" x tp {ns.tp}" if ns.tp > 1 else ""
     log(f"{flavor} on {gpus} GPU(s) (sp {sp}{usp} x dp_shard {dp_shard}{tp}), {features}:")
@@ -204,7 +215,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
 
 def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
     """Extrapolated (4/5/6-layer traces) vs full trace at one length."""
-    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp, ns.lora)
     unit = ns.granularity * sp
     seq_len = max(unit, seq_len // unit * unit)
     full = plan_memory(cfg, gpus, seq_len, rows=1, layers="full")
@@ -226,7 +237,8 @@ def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
 def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
     """Planned peak at fixed lengths (for the memory-vs-length plot)."""
     out = []
-    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp, ns.lora)
+    features = label(features, ns.lora)
     for seq_len in lengths:
         unit = ns.granularity * sp
         seq_len = max(unit, seq_len // unit * unit)
@@ -237,6 +249,7 @@ def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
             "peak_gib": round(plan.peak_gib, 3), "phase": plan.peak_phase,
             "host_gib": round(plan.host_bytes / GIB, 2), "extrapolated": plan.trace["extrapolated"],
             "seconds": round(plan.trace["seconds"], 1),
+            "breakdown_gib": {k: round(v / GIB, 3) for k, v in plan.breakdown.items()},
         }
         log(f"sweep {flavor} {gpus} GPUs {features} {fmt_tokens(seq_len)}: {plan.peak_gib:.2f} GiB")
         out.append(rec)
@@ -247,7 +260,8 @@ def table(records: list[dict], ns) -> str:
     rows = [r for r in records if r["bench"] == "max_seq_len"]
     order = list(FLAVORS) + HF_MODELS
     models = sorted({r["model"] for r in rows}, key=lambda m: order.index(m) if m in order else len(order))
-    feats = [f for f in FEATURES if any(r["features"] == f for r in rows)]
+    ranks = sorted({int(r["features"].rpartition("+lora")[2]) if "+lora" in r["features"] else 0 for r in rows})
+    feats = [label(f, n) for n in ranks for f in FEATURES if any(r["features"] == label(f, n) for r in rows)]
     out = [
         f"PLANNED max trainable sequence (tokens; one sequence per dp rank; peak allocated-tensor "
         f"bytes <= {ns.budget_gib:g} - {ns.headroom_gib:g} = {ns.budget_gib - ns.headroom_gib:g} GiB per GPU)",
@@ -346,6 +360,9 @@ def main(argv=None) -> int:
     p.add_argument("--guess", nargs=2, type=int, metavar=("LO", "HI"),
                    help="two lengths (tokens) expected to straddle the answer: planned first, they "
                         "seed the search (e.g. from a neighbouring layout's result)")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="LoRA adapters of this rank on every projection (lora.alpha = 2 x rank), the base "
+                        "frozen: transformers configs only (0: full fine-tuning)")
     p.add_argument("--layers", choices=("auto", "full", "extrapolate"), default="auto")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel degree: N GPUs of each node split every block's weights; sp from the rest")

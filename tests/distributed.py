@@ -13,6 +13,9 @@ What a task may rely on, and must leave as it found:
     it, and dynamo's caches are reset;
   * global state (default dtype, grad mode, threads, registries) is restored
     by the pool where it is torch's, and by the task where it is anyone else's.
+A task whose process groups outlive the cleanup (some tasks' groups stay
+referenced from outside Python's reach) retires its pool: the next call forks
+fresh ranks from the preloaded server (about a second).
 
 An exception on any rank fails the test with that rank's traceback and the
 pool is discarded (the other ranks may be stuck in a collective); the next
@@ -67,6 +70,18 @@ def _free_destroyed_groups() -> None:
     gc.collect()
 
 
+def _gloo_loops() -> int:
+    """This process's gloo event-loop threads: one per live gloo group."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().startswith("gloo_tcp")
+        except OSError:  # the thread ended meanwhile
+            pass
+    return n
+
+
 def _clear_sharding_cache() -> None:
     # DTensor caches sharding decisions per op and input specs (in Python and
     # in its C++ fast path). A DeviceMesh compares equal to any mesh of the same
@@ -103,6 +118,8 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
     dist.init_process_group(
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, timeout=TIMEOUT
     )
+    dist.barrier()
+    world_loops = _gloo_loops()
     while True:
         task = tasks.get()
         if task is None:
@@ -112,9 +129,9 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
             value = fn(rank, world_size, *args)
             dist.barrier()  # finish together: no rank tears down what a peer still uses
             _reset_between_tasks()
-            results.put((rank, True, value))
+            results.put((rank, True, value, _gloo_loops() > world_loops))
         except BaseException:  # noqa: BLE001 - report everything, the pool is discarded
-            results.put((rank, False, traceback.format_exc()))
+            results.put((rank, False, traceback.format_exc(), True))
             break
     # The queue hands reports to a feeder thread: flush it before leaving. A
     # finished rank then skips interpreter teardown (ulysses_dtensor.runtime.exit_process).
@@ -168,6 +185,10 @@ class _Pool:
         ]
         for p in self.procs:
             p.start()
+        # Set when a task left a process group alive past the cleanup (something
+        # outside the task still holds it): the pool is then replaced, since a
+        # dead group's loop spins once its peers close their ends.
+        self.stale = False
 
     def run(self, fn, args, timeout: float) -> list:
         for q in self.tasks:
@@ -176,7 +197,7 @@ class _Pool:
         deadline = time.monotonic() + timeout
         while len(values) < self.world_size:
             try:
-                rank, ok, payload = self.results.get(timeout=1.0)
+                rank, ok, payload, stale = self.results.get(timeout=1.0)
             except queue.Empty:
                 dead = [p.name for p in self.procs if not p.is_alive()]
                 if dead:
@@ -187,6 +208,7 @@ class _Pool:
             if not ok:
                 raise RankFailure(f"{fn.__name__} failed on rank {rank} of {self.world_size}:\n{payload}")
             values[rank] = payload
+            self.stale |= stale
         return [values[r] for r in range(self.world_size)]
 
     def close(self, graceful: bool) -> None:
@@ -223,8 +245,12 @@ def run_ranks(world_size: int, fn, *args, timeout: float = TASK_TIMEOUT_S) -> li
     if pool is None:
         pool = _POOLS[world_size] = _Pool(world_size)
     try:
-        return pool.run(fn, args, timeout)
+        values = pool.run(fn, args, timeout)
     except BaseException:
         _POOLS.pop(world_size, None)
         pool.close(graceful=False)
         raise
+    if pool.stale:
+        _POOLS.pop(world_size, None)
+        pool.close(graceful=True)
+    return values

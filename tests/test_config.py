@@ -259,6 +259,10 @@ EFFECT_CASES = {
     "lr_scheduler.min_lr_ratio": ("0.1", []),
     "model.vocab_multiple_of": ("128", []),
     "data.max_corpus_mb": ("1", []),
+    "data.packing_window": ("128", ["--data.packing", "bfd"]),
+    "data.overlong": ("drop", ["--data.packing", "bfd"]),
+    **{f"lora.{k}": (v, ["--lora.rank", "8", "--model.hf_path", "hf_model_dir"]) for k, v in (
+        ("alpha", "32"), ("dropout", "0.1"), ("target_modules", "q_proj,v_proj"), ("modules_to_save", "norm"))},
     "metrics.exchange_timing": ("false", ["--parallelism.sp", "2"]),
     "eval.depths": ("4", []),
     "eval.samples": ("2", []),

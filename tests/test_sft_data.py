@@ -179,6 +179,13 @@ def test_trainer_refuses_before_writing_anything(dirs, tmp_path, capsys):
         (["--data.format", "chat", "--data.path", str(bad), "--data.tokenizer", str(dirs["chatml"])],
          r"bad.jsonl line 4: 'messages' has no assistant turn"),
         (["--data.format", "chat"], r"config error: data.format='chat' \(from the command line\) reads records"),
+        # best-fit rows (the default for chat) refuse samples longer than a row, counted, before anything starts
+        (["--data.format", "chat", "--data.path", str(folder / "chat.jsonl"), "--data.tokenizer", str(dirs["chatml"]),
+          "--context.schedule", "1:16"],
+         r"data error: data.path='.*chat.jsonl': \d+ samples are longer than a row of context.schedule\[0\].seq_len=16 "
+         r"tokens \(stage from step 1\), the longest \d+ tokens, and data.overlong='error'"),
+        (["--data.packing", "stream", "--data.overlong", "drop"],
+         r"config error: data.overlong='drop' \(from the command line\) has no effect: it shapes best-fit packing"),
     ]
     for extra, match in cases:
         code, err = _train_main(base + extra, capsys)

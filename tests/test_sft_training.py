@@ -100,14 +100,19 @@ def _hf_model(root: Path):
 
 
 def test_sft_loss_same_on_three_meshes_and_equal_to_hand_masked_loss(sft, tmp_path):
-    from ulysses_dtensor.data import TokenStream
+    from ulysses_dtensor.data import build_tokenizer
     from ulysses_dtensor.trainer.config import parse_config
     from ulysses_dtensor.trainer.data_setup import build_training_data
+    from ulysses_dtensor.trainer.hf_start import tokenizer_spec
 
     _train(*_config(sft, tmp_path / "1x1x1", (1, 1, 1)))
     _train(*_config(sft, tmp_path / "micro", (1, 1, 1), ("training.micro_batch_size", "1")))
     run_ranks(4, _ranks, _config(sft, tmp_path / "1x2x2", (1, 2, 2)))
     ref = _rows(tmp_path / "1x1x1")
+    # LoRA on the same SFT rows: step 1 is the base model's (B starts at zero), then adapters train
+    _train(*_config(sft, tmp_path / "lora", (1, 1, 1), ("lora.rank", "4")))
+    lora = _rows(tmp_path / "lora")
+    assert lora[0]["loss"] == ref[0]["loss"] and lora[1]["loss"] != ref[1]["loss"]
     for name in ("micro", "1x2x2"):
         rows = _rows(tmp_path / name)
         print(f"{name}: max rel diff loss "
@@ -117,13 +122,19 @@ def test_sft_loss_same_on_three_meshes_and_equal_to_hand_masked_loss(sft, tmp_pa
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (name, a["step"])
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (name, a["step"])
 
-    # By hand: step 1's global batch as the trainer's data reads it (4 rows of 128),
-    # the unsharded transformers model, one forward per sample, loss over targets.
+    # By hand: step 1's global batch as the trainer's data reads it (4 rows of 128, samples
+    # best-fit packed whole, the row ends padded), the unsharded transformers model, one
+    # forward per sample, loss over targets.
     cfg = parse_config(*_config(sft, tmp_path / "x", (1, 1, 1)))
-    src = build_training_data(cfg).sources[0]
-    stream = TokenStream(src, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
-    rows = [stream.read(i * SEQ, SEQ) for i in range(BATCH)]
-    ids, pos, tgt = (np.stack([r[k] for r in rows]) for k in range(3))
+    data = build_training_data(cfg)
+    loader = data.loader(build_tokenizer(tokenizer_spec(cfg)), 0, 1, cfg.context_schedule(), 0)
+    batch = loader.batch_for(1)
+    pad_share = loader.batch_stats()["pad_share"]
+    loader.close()
+    ids, pos = batch["input_ids"].numpy(), batch["position_ids"].numpy()
+    tgt = (batch["labels"].numpy() != -100).astype(np.uint8)
+    assert data.preview["steps"] == STEPS and 0 < pad_share < 0.5  # the banner previews the padding of the steps
+    assert ref[0]["pad_share"] == pad_share and ref[0]["samples_truncated"] > 0  # metrics.jsonl logs it
     model = _hf_model(sft)
     total, count = _masked_loss(model, ids, pos, tgt)
     loss = total / count

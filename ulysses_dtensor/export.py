@@ -1,7 +1,10 @@
 """Export a trainer checkpoint to a Hugging Face model directory.
 
     python -m ulysses_dtensor.export --checkpoint DUMP/checkpoint/step-N --out OUT
-        [--dtype bfloat16] [--max-shard-size 5GB]
+        [--dtype bfloat16] [--max-shard-size 5GB] [--merge]
+
+A LoRA run's checkpoint (``[lora]``) is written as a peft adapter directory, or
+with ``--merge`` as full weights in the base's layout (:mod:`.export_lora`).
 
 Writes ``OUT/config.json`` (the source model's config when the run started from
 ``model.hf_path``, else one built from the model args) with the rope the
@@ -110,14 +113,23 @@ def export_checkpoint(
     *,
     dtype: str | None = None,
     max_shard_size: str | int = "5GB",
+    merge: bool = False,
 ) -> Path:
-    """Write the HF model directory ``out`` from the trainer checkpoint folder ``checkpoint``."""
+    """Write the HF model directory ``out`` from the trainer checkpoint folder ``checkpoint``
+    (a LoRA checkpoint: a peft adapter directory, or with ``merge`` merged full weights)."""
     require_safetensors("ulysses_dtensor.export")
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
     ckpt, out = Path(checkpoint), Path(out)
     info = _read_info(ckpt)
+    if info.get("lora"):
+        from .export_lora import export_lora_checkpoint
+
+        return export_lora_checkpoint(ckpt, out, info, merge=merge, dtype=dtype)
+    if merge:
+        raise HFCheckpointError(f"--merge: {ckpt} holds every weight of the model (no [lora] adapters to merge); "
+                                f"export it without --merge")
     if info.get("implementation") == "transformers":  # a transformers model: its own layout
         from .export_transformers import export_transformers_checkpoint
 
@@ -209,10 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="tensor dtype (default: the source model's, else float32)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file (default 5GB; a merged LoRA export keeps the base's files)")
+    p.add_argument("--merge", action="store_true",
+                   help="LoRA checkpoints: merge the adapters into the base weights (default: a peft adapter directory)")
     a = p.parse_args(argv)
     try:
-        export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size)
+        export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size, merge=a.merge)
     except (HFCheckpointError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

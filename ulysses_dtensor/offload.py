@@ -13,7 +13,8 @@ with grad, so everything it returns -- through its outputs or through hooks
 (transformers records MoE router logits that way) -- is part of the autograd
 graph, every tensor argument that requires grad gets its gradient, and the
 parameters get theirs even when the input itself requires none (a frozen
-embedding below). Recomputation is exact for blocks without dropout.
+embedding below). Recomputation is exact; for blocks with dropout it replays
+forward's RNG state (``preserve_rng_state``).
 """
 
 from __future__ import annotations
@@ -157,9 +158,10 @@ class OffloadedCheckpointBlock(ActivationWrapper):
     offload.
     """
 
-    def __init__(self, block: nn.Module, offloader: HostOffloader):
+    def __init__(self, block: nn.Module, offloader: HostOffloader, preserve_rng_state: bool = False):
         super().__init__(block)
         self.offloader = offloader
+        self.preserve_rng_state = preserve_rng_state
 
     def forward(self, *args, **kwargs):
         block = self._checkpoint_wrapped_module
@@ -175,7 +177,8 @@ class OffloadedCheckpointBlock(ActivationWrapper):
         handle = self.offloader.offload(x)
         source = _BlockInput(x, handle, self.offloader)
         del x
-        out = checkpoint(_run_block, block, source, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+        out = checkpoint(_run_block, block, source, *args, use_reentrant=False,
+                         preserve_rng_state=self.preserve_rng_state, **kwargs)
         if not any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(out)):
             self.offloader.release(handle)  # no backward will come for it
         return out

@@ -55,7 +55,7 @@ from .suggest import unknown_name
 from .tensor_parallel import LLAMA_TP_PLAN, check_tp_heads, tensor_parallelize
 from .ulysses import UlyssesAttention, kv_replication
 
-__all__ = ["AC_MODES", "check_memory_options", "clip_grad_norm_", "parallelize_llama"]
+__all__ = ["AC_MODES", "check_memory_options", "clip_grad_norm_", "needs_rng_replay", "parallelize_llama"]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -151,6 +151,7 @@ def parallelize_llama(
     _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks)
     offloader = HostOffloader() if offload_activations else None
     model.offloader = offloader
+    rng = needs_rng_replay(model)
 
     for layer_id, block in list(layers.named_children()):
         if offloader is not None:
@@ -158,9 +159,9 @@ def parallelize_llama(
             # streams are not traceable, the block is.
             if compile:
                 block = torch.compile(block, fullgraph=True, backend=compile_backend)
-            layers.register_module(layer_id, OffloadedCheckpointBlock(block, offloader))
+            layers.register_module(layer_id, OffloadedCheckpointBlock(block, offloader, preserve_rng_state=rng))
             continue
-        block = checkpoint_block(block, int(layer_id), ac_mode, every_k)
+        block = checkpoint_block(block, int(layer_id), ac_mode, every_k, preserve_rng_state=rng)
         if compile:
             block = torch.compile(block, fullgraph=True, backend=compile_backend)
         layers.register_module(layer_id, block)
@@ -183,13 +184,23 @@ def parallelize_llama(
 
 
 
-def checkpoint_block(block: nn.Module, index: int, ac_mode: str, every_k: int | None) -> nn.Module:
+def needs_rng_replay(model: nn.Module) -> bool:
+    """The model draws random numbers in forward (a dropout with p > 0, e.g. LoRA's): a
+    recomputation must then replay forward's RNG state, or its masks differ from those
+    the forward used and the gradients are wrong."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
+def checkpoint_block(block: nn.Module, index: int, ac_mode: str, every_k: int | None,
+                     preserve_rng_state: bool = False) -> nn.Module:
     """Block ``index`` as activation checkpointing wraps it: every block (``full``),
-    op-level selective (``selective``, ``every_k`` None), or every k-th block fully."""
+    op-level selective (``selective``, ``every_k`` None), or every k-th block fully.
+    ``preserve_rng_state``: the recomputation replays forward's RNG (blocks with
+    dropout, :func:`needs_rng_replay`); off otherwise, as it costs a state copy per block."""
     if ac_mode == "full" or (ac_mode == "selective" and every_k is not None and (index + 1) % every_k == 0):
-        return _checkpoint(block)
+        return _checkpoint(block, preserve_rng_state)
     if ac_mode == "selective" and every_k is None:
-        return _checkpoint(block, context_fn=_op_sac_context)
+        return _checkpoint(block, preserve_rng_state, context_fn=_op_sac_context)
     return block
 
 
@@ -288,11 +299,11 @@ def _check_compile_backend(name: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _checkpoint(block: nn.Module, **kwargs) -> nn.Module:
+def _checkpoint(block: nn.Module, preserve_rng_state: bool = False, **kwargs) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     # Non-reentrant: composes with FSDP2's hooks and with torch.compile.
-    return checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
+    return checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state, **kwargs)
 
 
 def _sac_save_ops() -> set:

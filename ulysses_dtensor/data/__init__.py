@@ -18,7 +18,9 @@ module              owns
 ``order``           each epoch's document order (seeded two-level shuffle)
 ``stream``          one source's endless token stream, random access by offset
 ``mixture``         weighted sources: which source each global row comes from
-``loader``          packing rows, each dp rank reading only its own rows
+``bestfit``         best-fit decreasing rows of whole samples over a window
+``loader``          packing rows (the stream cut or best fit), each dp rank
+                    reading only its own rows
 ``prefetch``        the next batch read in a background thread
 ==================  ==========================================================
 

@@ -67,6 +67,20 @@ class EpochOrder:
                 self._docs_cache.popitem(last=False)
         return self._docs_cache[key]
 
+    def docs_between(self, epoch: int, lo: int, hi: int) -> np.ndarray:
+        """The documents at positions ``lo .. hi - 1`` (0 <= lo <= hi <= n) of ``epoch``."""
+        blocks, starts = self.block_perm(epoch)
+        out = []
+        k = int(np.searchsorted(starts, lo, side="right")) - 1
+        while lo < hi:
+            ids = self.block_docs(epoch, int(blocks[k]))
+            a = lo - int(starts[k])
+            take = ids[a:a + hi - lo]
+            out.append(take)
+            lo += len(take)
+            k += 1
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
     def doc_at(self, epoch: int, pos: int) -> int:
         """The document at position ``pos`` (0 <= pos < n) of ``epoch``."""
         blocks, starts = self.block_perm(epoch)

@@ -9,7 +9,8 @@ Exact resume: every batch travels with the loader's state *after* it, and
 ``state_dict()`` is the state after the last batch the loop took, so a
 batch read ahead but not trained on is neither lost nor repeated when a run
 resumes from a checkpoint. ``wait_seconds`` is how long the loop waited for
-its last batch (the data wait logged per step).
+its last batch (the data wait logged per step); ``batch_stats()`` the loader's
+figures of that batch (padding share of best-fit rows).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _read_ahead(loader, plan, step: int, last_step: int, out: queue.Queue, halt:
     try:
         while step <= last_step and not halt.is_set():
             batch = loader.next_batch(*plan(step))
-            item = (step, batch, loader.state_dict(), loader.tokens_seen, loader.source_tokens())
+            item = (step, batch, loader.state_dict(), loader.tokens_seen, loader.source_tokens(),
+                    loader.batch_stats())
             while not halt.is_set():
                 try:
                     out.put(item, timeout=0.1)
@@ -59,6 +61,7 @@ class Prefetcher:
         self._state = loader.state_dict()
         self._tokens_seen = loader.tokens_seen
         self._sources = loader.source_tokens()
+        self._stats: dict = {}
         self.wait_seconds = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._halt = threading.Event()
@@ -77,7 +80,7 @@ class Prefetcher:
         self.wait_seconds = time.perf_counter() - t0
         if item[0] is _STOP:
             raise item[1]
-        got, batch, self._state, self._tokens_seen, self._sources = item
+        got, batch, self._state, self._tokens_seen, self._sources, self._stats = item
         if got != step:
             raise RuntimeError(f"prefetched batch for step {got}, the loop asked for step {step}")
         self.next_step = step + 1
@@ -89,6 +92,9 @@ class Prefetcher:
 
     def source_tokens(self) -> dict[str, int]:
         return dict(self._sources)
+
+    def batch_stats(self) -> dict:
+        return dict(self._stats)
 
     def state_dict(self) -> dict:
         return self._state
@@ -123,6 +129,9 @@ class StepLoader:
 
     def source_tokens(self) -> dict[str, int]:
         return self.loader.source_tokens()
+
+    def batch_stats(self) -> dict:
+        return self.loader.batch_stats()
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()

@@ -20,12 +20,13 @@ Prepared stores record the renderer in their manifest
 (:func:`check_store_format` refuses a store of another format), raw files are
 rendered at load by :class:`RenderedDocs`.
 
-Long samples. Samples are packed end to end like documents (:mod:`.loader`):
-rows are cut every ``seq_len`` tokens, a sample crossing a row end continues at
-the start of its source's next row as a separate document (positions restart,
-no attention back to its first part), and every target token is trained on
-once. No token is dropped. The trainer's banner counts the samples longer than
-each stage's ``seq_len`` (those are always split).
+Rows. By default (``data.packing = "auto"``) SFT samples are best-fit packed whole
+into rows (:mod:`.bestfit`): none is cut at a row end unless it alone is longer
+than a row, and ``data.overlong`` says what happens then (refused, truncated to
+the row, split into row-long pieces, dropped). With ``data.packing = "stream"``
+they are packed end to end like documents (:mod:`.loader`): a sample crossing a
+row end continues in the next row as a separate document. The trainer's banner
+counts each stage's samples longer than a row.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from ..parallelize import (
     _parse_selective_ac,
     check_memory_options,
     checkpoint_block,
+    needs_rng_replay,
     shard_model,
 )
 from ..ring_layout import layout_position_ids
@@ -240,13 +241,14 @@ def parallelize_hf_model(
     # and side streams are not traceable, the layer is.
     fullgraph = bool(getattr(model, "_can_compile_fullgraph", False))
     model.offloader = HostOffloader() if offload_activations else None
+    rng = needs_rng_replay(model)  # dropout (LoRA's): recomputation replays forward's masks
     for i, layer in enumerate(layers):
         if model.offloader is None:
-            layer = checkpoint_block(layer, i, ac_mode, every_k)
+            layer = checkpoint_block(layer, i, ac_mode, every_k, preserve_rng_state=rng)
         if compile:
             layer.compile(backend=compile_backend, fullgraph=fullgraph)
         if model.offloader is not None:
-            layer = OffloadedCheckpointBlock(layer, model.offloader)
+            layer = OffloadedCheckpointBlock(layer, model.offloader, preserve_rng_state=rng)
         layers[i] = layer
 
     # 4. FSDP2 / HSDP, one group per decoder layer.

@@ -152,7 +152,8 @@ def _load_converted(model, files: _Files, pending: dict[str, Tensor], file_keys:
 def load_transformers_weights(model: nn.Module, path: str | os.PathLike, *, conversions: list | None = None) -> None:
     """Fill ``model``'s parameters and persistent buffers (DTensor shards included)
     from the safetensors files of ``path`` in place, converting layouts as
-    ``from_pretrained`` would; then recompute the non-persistent buffers.
+    ``from_pretrained`` would; then recompute the non-persistent buffers. LoRA
+    adapters (:mod:`.lora`) are left as they are, their base layers filled.
 
     ``conversions``: :func:`weight_conversions` of the plain model (default: from
     ``model``). Every rank of the default process group calls it. Names and
@@ -171,9 +172,13 @@ def load_transformers_weights(model: nn.Module, path: str | os.PathLike, *, conv
     )
     from .hf_checkpoint import _unique_state_dict
 
+    from .lora import base_name, is_adapter_param
+
     require_safetensors()
     path = Path(path)
-    state = _unique_state_dict(model)
+    # By the checkpoint's names: a LoRA layer holds its base weight as ...base_layer.weight,
+    # and its adapters are nowhere in the checkpoint.
+    state = {base_name(k): v for k, v in _unique_state_dict(model).items() if not is_adapter_param(k)}
     shapes = checkpoint_tensor_shapes(path)
     direct = {k: v for k, v in state.items() if k in shapes}
     wrong = [f"{k} {tuple(shapes[k])} (the model's is {tuple(v.shape)})" for k, v in direct.items()

@@ -399,16 +399,19 @@ def _check_names_and_shapes(expected: dict[str, tuple], found: dict[str, tuple],
 
 
 def _canonical(name: str) -> str:
-    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+    # compile's and checkpointing's wrappers, and peft's (a LoRA layer keeps the weight in base_layer)
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "").replace("base_layer.", "")
 
 
-def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
+def load_hf_weights(model: nn.Module, path: str | os.PathLike, *, ignore=None) -> None:
     """Load an HF model directory into ``model`` (a Llama built from its config) in place.
 
     Works on a plain model and on a parallelized one after ``to_empty``: the
     parameters stay where they are (DTensor shards included) and each rank reads
     only its slices. Every rank of the default process group must call it
     (``dcp.load`` plans collectively); without a process group it runs alone.
+    ``ignore(name)``: parameters added on top of the model that the checkpoint
+    does not hold (LoRA adapters), left as they are.
     """
     require_safetensors()
     args: LlamaArgs = model.args
@@ -418,7 +421,7 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
             "args_from_hf_config): HF checkpoints store q/k for the rotate-half layout"
         )
     names = hf_names(args)
-    params = {_canonical(n): p for n, p in model.named_parameters()}
+    params = {_canonical(n): p for n, p in model.named_parameters() if ignore is None or not ignore(n)}
     unmapped = sorted(set(params) - set(names) - ({"output.weight"} if args.tie_embeddings else set()))
     if unmapped:
         raise HFCheckpointError(f"no HF name for parameters {unmapped}")

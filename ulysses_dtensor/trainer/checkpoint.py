@@ -19,7 +19,9 @@ file system every rank sees (one shared path on multi-node runs).
 Model and optimizer state go through
 ``torch.distributed.checkpoint.state_dict.get_state_dict/set_state_dict``, so
 FSDP2 (DTensor) shards are saved as shards and loaded into whatever mesh the
-resuming run has.
+resuming run has. With ``trainable_only`` (LoRA: a frozen base read from its
+own files) only the parameters that train, and their optimizer state, are saved
+and loaded; the frozen ones are the loading model's own.
 
 A checkpoint that cannot be loaded (a damaged file, a model the config changed)
 raises :class:`CheckpointError` on every rank, naming the folder, the rank and
@@ -43,6 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -58,6 +61,11 @@ COMPLETE_MARKER = "COMPLETE"
 MODEL_INFO_FILE = "model.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+
+
+def _options(trainable_only: bool) -> StateDictOptions:
+    # strict=False: the frozen parameters are not in a trainable-only checkpoint.
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
 class CheckpointError(RuntimeError):
@@ -147,6 +155,7 @@ class CheckpointManager:
         interval: int,
         keep_latest_k: int = 0,
         enable: bool = True,
+        trainable_only: bool = False,
     ):
         if interval < 1:
             raise ValueError(f"checkpoint.interval={interval} must be >= 1")
@@ -156,6 +165,7 @@ class CheckpointManager:
         self.interval = interval
         self.keep_latest_k = keep_latest_k
         self.enable = enable
+        self.options = _options(trainable_only)
 
     # ------------------------------------------------------------- queries
     def path(self, step: int) -> Path:
@@ -190,7 +200,7 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
         _barrier()
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
         with _single_process_ok():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
@@ -250,12 +260,12 @@ class CheckpointManager:
         return state
 
     def _load(self, path: Path, model: torch.nn.Module, optimizer) -> dict:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
         state = {"model": model_sd, "optim": optim_sd}
         with _dcp_load_quietly():
             dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=self.options
         )
         rng = path / "rng" / f"rank{_rank()}.pt"
         if rng.is_file():  # absent when resuming on more ranks than saved
@@ -272,16 +282,18 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {words[:300]}" if words else type(exc).__name__
 
 
-def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, *, trainable_only: bool = False) -> None:
     """Load only the model state of the checkpoint folder ``path`` (every rank calls it).
 
     For evaluation: no optimizer is built, and DCP reshards the saved shards
-    into whatever mesh ``model`` is parallelized on.
+    into whatever mesh ``model`` is parallelized on. ``trainable_only``: the
+    checkpoint of a LoRA run (its adapters; the base is the model's own).
     """
     path = Path(path)
     if not (path / COMPLETE_MARKER).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})")
-    state = {"model": get_model_state_dict(model)}
+    options = _options(trainable_only)
+    state = {"model": get_model_state_dict(model, options=options)}
     with _single_process_ok():
         dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=options)

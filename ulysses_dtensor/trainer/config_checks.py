@@ -23,7 +23,7 @@ from typing import Callable
 from ..data import DATA_SUFFIXES, TOKENIZERS_EXTRA_MSG, data_files, data_suffix, is_store
 from ..suggest import did_you_mean
 from .config_schema import SOURCE_DEFAULT, ConfigError, JobConfig
-from .data_config import check_data_values, data_path_problem
+from .data_config import check_data_values, data_path_problem, packing_of
 from .hf_start import HF_IGNORED_MODEL_KEYS, hf_model_args, tokenizer_spec
 
 __all__ = ["check_values", "validate_config", "model_args", "inactive_settings", "EFFECT_RULES",
@@ -89,6 +89,13 @@ EFFECT_RULES: list[EffectRule] = [
     EffectRule("data.max_corpus_mb", ("data.path", "data.sources"),
                lambda c: c.data.path == "" and not c.data.sources,
                "it caps the built-in corpus (data.path='' and no data.sources)"),
+    *(EffectRule(f"data.{k}", ("data.packing", "data.format"), lambda c: packing_of(c) == "bfd",
+                 "it shapes best-fit packing (data.packing='bfd', or 'auto' with data.format chat / "
+                 "prompt_completion); the stream cut splits every sample that crosses a row end")
+      for k in ("packing_window", "overlong")),
+    *(EffectRule(f"lora.{k}", ("lora.rank",), lambda c: c.lora.rank > 0,
+                 "it shapes the LoRA adapters, which lora.rank > 0 switches on")
+      for k in ("alpha", "dropout", "target_modules", "modules_to_save")),
     EffectRule("metrics.exchange_timing", ("parallelism.sp", "training.compile"),
                lambda c: c.parallelism.sp > 1 and not c.training.compile,
                "it times the eager Ulysses all-to-alls (parallelism.sp > 1; torch.compile'd "
@@ -213,12 +220,38 @@ def check_values(cfg: JobConfig) -> None:
             f"checkpoint.folder={cfg.checkpoint.folder!r} must be a relative path inside "
             f"job.dump_folder"
         )
+    _check_lora_values(cfg)
     if cfg.data.max_corpus_mb <= 0:
         raise ConfigError(f"data.max_corpus_mb={cfg.data.max_corpus_mb} must be > 0")
     check_data_values(cfg)
     _check_eval_values(cfg)
     _check_effect(cfg, EFFECT_RULES)
     cfg.context_schedule()  # stage order and tokens_per_step divisibility
+
+
+def _check_lora_values(cfg: JobConfig) -> None:
+    lo = cfg.lora
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank={lo.rank} must be >= 0 (0: no adapters, every weight trained)")
+    if not lo.rank:
+        return
+    if lo.alpha <= 0:
+        raise ConfigError(f"lora.alpha={lo.alpha} must be > 0")
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
+    if not lo.target_modules:
+        raise ConfigError("lora.target_modules=[] names no module: give the Linear layers to adapt, e.g. "
+                          "['q_proj', 'v_proj']")
+    if cfg.parallelism.tp > 1:
+        raise ConfigError(
+            f"{cfg.describe('lora.rank')} with {cfg.describe('parallelism.tp')}: LoRA adapters are not "
+            f"tensor-parallel here (peft's LoRA layer wraps each projection, and tp's column / row-wise split "
+            f"would have to split its A and B matrices with it); set parallelism.tp = 1 (dp_shard and sp then "
+            f"shard the frozen base and split the sequence), or lora.rank = 0 to train every weight under tp")
+    if not cfg.model.hf_path:
+        raise ConfigError(
+            f"{cfg.describe('lora.rank')} adapts a pretrained model: set model.hf_path (a random base, "
+            f"model.flavor={cfg.model.flavor!r}, is only its seed: nothing to adapt, nothing to export)")
 
 
 def _check_eval_values(cfg: JobConfig) -> None:
@@ -314,6 +347,14 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
             where = f"ulysses = parallelism.sp / parallelism.ring = {dims.sp} / {dims.ring} = {dims.ulysses}"
             hint = " (sp here is the ulysses degree)"
         raise ConfigError(f"{model} with {where}: {e}{hint}") from None
+    if cfg.lora.rank:  # the adapters' targets, on the model built on meta
+        import torch
+
+        from ..models.llama import Llama
+        from .lora_setup import check_lora_model
+
+        with torch.device("meta"):
+            check_lora_model(cfg, Llama(args), native=True)
     return dims
 
 

@@ -153,6 +153,18 @@ class Data:
                              "chat template beside the tokenizer, only assistant turns trained on; "
                              "prompt_completion: 'prompt' + 'completion', only the completion trained on",
                      ("text", "chat", "prompt_completion"))
+    packing: str = _f(
+        "auto", "how samples fill rows: bfd (best-fit decreasing over packing_window samples: a sample is never "
+        "split unless it alone is longer than a row; row ends padded, padding ignored), stream (cut the token "
+        "stream every seq_len tokens: no padding, a sample crossing a row end continues in the next row as a "
+        "new document), auto (bfd for chat / prompt_completion, stream for text)", ("auto", "bfd", "stream"))
+    packing_window: int = _f(4096, "bfd: samples packed together (a bounded buffer: the rows of one window "
+                                   "are emitted before the next window is read)")
+    overlong: str = _f("error", "bfd: samples longer than a row: error (refused before the run starts, with "
+                                "their count and the longest), truncate (keep the first seq_len tokens: the "
+                                "prompt, the answer cut at its end), split (pieces of seq_len tokens, each its "
+                                "own document), drop (counted in the banner and metrics)",
+                       ("error", "truncate", "split", "drop"))
     text_key: str = _f("text", "field of each .jsonl record / table column that holds the text")
     shuffle: bool = _f(True, "shuffle document order each epoch (seeded by job.seed)")
     max_corpus_mb: float = _f(8.0, "size cap of the built-in corpus in MiB")
@@ -199,6 +211,21 @@ class Memory:
 
 
 @dataclass
+class Lora:
+    rank: int = _f(0, "LoRA adapters of this rank on target_modules, the base weights frozen (peft's LoRA "
+                      "layers; needs model.hf_path; 0: train every weight)")
+    alpha: float = _f(16.0, "LoRA scaling numerator: the adapters' output is scaled by alpha / rank")
+    dropout: float = _f(0.0, "dropout on the adapters' input (recomputation under activation checkpointing "
+                             "replays the same masks)")
+    target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Linear modules that get adapters: names or name suffixes, as peft matches them (transformers' names; "
+        "this package's Llama takes the same names)")
+    modules_to_save: list[str] = _f([], "modules trained whole beside the adapters (e.g. norm, embed_tokens), "
+                                        "saved in the adapter")
+
+
+@dataclass
 class Metrics:
     log_freq: int = _f(1, "print a console line every this many steps")
     enable_tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboard)")
@@ -241,6 +268,7 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     memory: Memory = field(default_factory=Memory)
+    lora: Lora = field(default_factory=Lora)
     metrics: Metrics = field(default_factory=Metrics)
     eval: Eval = field(default_factory=Eval)
 

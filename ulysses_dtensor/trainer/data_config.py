@@ -16,7 +16,7 @@ from ..data import DATA_SUFFIXES, SourceSpec, data_files, data_suffix, is_store
 from ..suggest import did_you_mean
 from .config_schema import ConfigError, JobConfig
 
-__all__ = ["coerce_sources", "parse_sources_cli", "check_data_values", "data_path_problem",
+__all__ = ["coerce_sources", "parse_sources_cli", "check_data_values", "data_path_problem", "packing_of",
            "SOURCES_TYPE_NAME", "SOURCES_CLI_HINT"]
 
 SOURCES_TYPE_NAME = ("a list of {path = <str>, weight = <number or list>, upsample_min_tokens = <int>, "
@@ -96,9 +96,19 @@ def data_path_problem(path: str) -> str | None:
     return None
 
 
+def packing_of(cfg: JobConfig) -> str:
+    """``data.packing`` resolved: ``auto`` is best-fit rows for SFT records (a sample whole
+    with its prompt), the stream cut for pretraining text (no padding)."""
+    if cfg.data.packing != "auto":
+        return cfg.data.packing
+    return "stream" if cfg.data.format == "text" else "bfd"
+
+
 def check_data_values(cfg: JobConfig) -> None:
     """The [data] source keys, before any file is opened beyond ``stat``."""
     d = cfg.data
+    if d.packing_window < 1:
+        raise ConfigError(f"data.packing_window={d.packing_window} must be >= 1")
     if d.prefetch < 0:
         raise ConfigError(f"data.prefetch={d.prefetch} must be >= 0 (0: no background loading)")
     if d.format != "text" and not d.path and not d.sources:

@@ -9,7 +9,8 @@
 * :meth:`TrainingData.loader` (after the process group and the checkpoint):
   per source a token stream (raw text: its length index built once, shared
   out over the ranks; up-sampling), the mixture loader of this dp rank at the
-  checkpointed position, read ahead by ``data.prefetch`` batches in a thread.
+  checkpointed position (``data.packing``: best-fit rows or the stream cut),
+  read ahead by ``data.prefetch`` batches in a thread.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..data.sft import long_samples, open_source
 from ..data.token_docs import TokenDocs
 from ..data_checks import DataError, check_corpus
 from .config_schema import JobConfig
+from .data_config import packing_of
 from .eval_setup import held_out_error, split_for_eval
 from .hf_start import tokenizer_spec
 
@@ -45,6 +47,9 @@ class TrainingData:
     specs: list[SourceSpec]
     sources: list  # text DocumentSources or TokenDocs (stores, held-out splits of them)
     held_out: object | None
+    preview: dict | None = None  # best-fit rows: padding of the first steps (set by loader())
+
+    PREVIEW_STEPS = 10  # steps whose padding the banner reports
 
     # ------------------------------------------------------------ description
     def key(self, k: int) -> str:
@@ -81,21 +86,39 @@ class TrainingData:
         return "\n".join(lines)
 
     def sft_banner(self, schedule) -> str:
-        """For chat / prompt_completion data: what is trained on, and how many samples
-        each stage's rows must split (the long-sample rule of :mod:`~..data.sft`)."""
+        """For chat / prompt_completion data: what is trained on, and each stage's samples
+        longer than a row (what packing does with them)."""
         fmt = self.cfg.data.format
         if fmt == "text":
             return ""
         what = "assistant turns" if fmt == "chat" else "completions"
         out = [f"\n    data.format={fmt}: loss on {what} only, token-weighted over the global batch"]
         lengths = sorted({st.seq_len for st in schedule.stages})
+        fate = ("split across rows" if packing_of(self.cfg) == "stream"
+                else {"split": "split into row-long pieces", "truncate": "truncated to the row",
+                      "drop": "dropped", "error": "refused"}[self.cfg.data.overlong])
         for k, src in enumerate(self.sources):
             counts = [long_samples(src, n) for n in lengths]
             longest = counts[0][1]
             split = ", ".join(f"{c:,} > {n:,}" for (c, _), n in zip(counts, lengths))
             out.append(f"\n    {self.specs[k].label}: {len(src):,} samples, longest {longest:,} tokens; "
-                       f"split across rows (longer than seq_len): {split}")
+                       f"longer than a row ({fate}): {split}")
         return "".join(out)
+
+    def packing_banner(self) -> str:
+        """How rows are filled, and for best-fit rows the padding of the first steps."""
+        d = self.cfg.data
+        if packing_of(self.cfg) == "stream":
+            return "packing stream: rows cut every seq_len tokens (no padding; samples cross row ends)"
+        line = (f"packing bfd: whole samples best-fit into rows over windows of {d.packing_window:,} samples, "
+                f"samples longer than a row: {d.overlong}")
+        p = self.preview
+        if p:
+            line += f"; padding {100 * p['pad_share']:.2f}% of the tokens of the first {p['steps']} steps"
+            if p["samples_dropped"] or p["samples_truncated"] or p["samples_split"]:
+                line += (f" (in them {p['samples_dropped']:,} samples dropped, {p['samples_truncated']:,} "
+                         f"truncated, {p['samples_split']:,} split)")
+        return line
 
     def loading_banner(self) -> str:
         n = self.cfg.data.prefetch
@@ -120,12 +143,29 @@ class TrainingData:
                         need = max(need, int(rows) * st.seq_len)
                     what = f"its share of one step ({need:,} tokens)"
                 check_corpus(src, tokenizer, need, described=f"{self.key(k)} with {what}")
+            if packing_of(self.cfg) == "bfd" and self.cfg.data.overlong == "error":
+                self._check_overlong(schedule)
         except DataError as e:
             return str(e)
         if self.cfg.eval.interval:
             longest = max(self.cfg.eval.lengths or [st.seq_len for st in schedule.stages])
             return held_out_error(self.held_out, tokenizer, self.cfg.eval.loss_rows, longest)
         return None
+
+    def _check_overlong(self, schedule) -> None:
+        """data.overlong='error': no tokenized sample longer than the shortest stage's rows
+        (raw text is counted as the packer meets it)."""
+        for k, src in enumerate(self.sources):
+            if not isinstance(src, TokenDocs) or not len(src):
+                continue
+            for i, st in enumerate(schedule.stages):
+                count, longest = long_samples(src, st.seq_len)
+                if count:
+                    raise DataError(
+                        f"{self.key(k)}: {count:,} samples are longer than a row of {schedule.key(i)}={st.seq_len:,} "
+                        f"tokens (stage from step {st.start_step}), the longest {longest:,} tokens, and "
+                        f"data.overlong='error'; set data.overlong to 'truncate' (keep the prompt, cut the "
+                        f"answer's end), 'split' or 'drop', or raise the sequence length")
 
     # ------------------------------------------------------------ the loader
     def streams(self, tokenizer) -> list[TokenStream]:
@@ -146,15 +186,23 @@ class TrainingData:
                state: dict | None = None):
         """Batches for steps ``start_step + 1 ..``: ``batch_for(step)``, ``state_dict()``,
         ``tokens_seen``, ``source_tokens()``, ``wait_seconds``, ``close()``."""
+        d = self.cfg.data
         loader = PackedLoader(self.streams(tokenizer), dp_rank=dp_rank, dp_size=dp_size,
                               weights=self.weights(0), names=[s.label for s in self.specs],
-                              seed=self.cfg.job.seed)
+                              seed=self.cfg.job.seed, packing=packing_of(self.cfg), window=d.packing_window,
+                              overlong=d.overlong)
         if state is not None:
             loader.load_state_dict(state)
 
         def plan(step: int):
             return (schedule.batch_size(step), schedule.seq_len(step),
                     self.weights(schedule.stage_index(step)))
+
+        # The banner's padding figure: the next steps' rows from their lengths (before the
+        # read-ahead thread shares the streams).
+        steps = range(start_step + 1, min(self.cfg.training.steps, start_step + self.PREVIEW_STEPS) + 1)
+        preview = loader.preview([plan(step) for step in steps]) if steps else None
+        self.preview = {**preview, "steps": len(steps)} if preview else None
 
         if self.cfg.data.prefetch and start_step < self.cfg.training.steps:
             return Prefetcher(loader, plan, start_step + 1, self.cfg.training.steps, self.cfg.data.prefetch)
@@ -163,6 +211,12 @@ class TrainingData:
     def step_metrics(self, loader) -> dict:
         """``data_wait_ms``, and with several sources each one's realised token share so far."""
         out = {"data_wait_ms": 1000.0 * loader.wait_seconds}
+        stats = loader.batch_stats()  # best-fit rows: the step's padding, overlong samples handled so far
+        if stats:
+            out["pad_share"] = stats["pad_share"]
+            kept = {"drop": "samples_dropped", "truncate": "samples_truncated", "split": "samples_split"}
+            if self.cfg.data.overlong in kept:
+                out[kept[self.cfg.data.overlong]] = stats[kept[self.cfg.data.overlong]]
         if len(self.specs) > 1:
             taken = loader.source_tokens()
             total = max(1, sum(taken.values()))

@@ -170,8 +170,11 @@ def model_for_eval(cfg: JobConfig, pmesh, device: torch.device, vocab_size: int,
 
     if checkpoint is None:
         return build_model(cfg, pmesh, vocab_size, device, init_weights=True), {"step": 0}
-    model = build_model(cfg, pmesh, vocab_size, device, init_weights=False)
-    load_model_weights(checkpoint, model)
+    from .lora_setup import uses_lora
+
+    lora = uses_lora(cfg)  # a LoRA checkpoint holds the adapters: the base comes from model.hf_path
+    model = build_model(cfg, pmesh, vocab_size, device, init_weights=lora)
+    load_model_weights(checkpoint, model, trainable_only=lora)
     with open(Path(checkpoint) / "train_state.json") as fh:
         state = json.load(fh)
     rope = _trained_rope(cfg, model, state)

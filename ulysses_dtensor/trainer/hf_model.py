@@ -201,6 +201,9 @@ def check_transformers_model(cfg, dims, *, weights: bool = True) -> None:
     # Every stage's rope, in a type and shape this family's rotary module takes (ConfigError
     # naming the stage and key; a family whose rope cannot change says why).
     stage_ropes(cfg, rope_support(model))
+    from .lora_setup import check_lora_model
+
+    check_lora_model(cfg, model, native=False)  # [lora] targets that exist and can be adapted
 
 
 def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: bool = True,
@@ -213,8 +216,11 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
     from ..integrations.hf_causal_lm import adapt_causal_lm
     from ..integrations.hf_weights import init_non_persistent_buffers, load_transformers_weights, weight_conversions
 
+    from .lora_setup import apply_lora, uses_lora
+
     model = _meta_model(_hf_config(cfg), n_layers)
     conversions = weight_conversions(model)  # of the plain class: FSDP renames it
+    apply_lora(cfg, model, native=False)  # peft's adapters, before FSDP shards the layers holding them
     ac = cfg.activation_checkpoint
     tr, mem = cfg.training, cfg.memory
     _shard_vision(model, pmesh, _DTYPES[tr.mixed_precision_param], _DTYPES[tr.mixed_precision_reduce],
@@ -242,6 +248,10 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
         load_transformers_weights(model, cfg.model.hf_path, conversions=conversions)
     else:
         init_non_persistent_buffers(model)
+    if init_weights and uses_lora(cfg):
+        from ..integrations.lora import init_lora_weights
+
+        init_lora_weights(model, cfg.job.seed)
     return adapt_causal_lm(model, pmesh, loss_chunks=(mem.loss_chunks or None) if mem.tiled_loss else 1)
 
 

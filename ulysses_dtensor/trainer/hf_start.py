@@ -70,6 +70,7 @@ def tokenizer_spec(cfg) -> str:
 def model_info(cfg, args) -> dict:
     """What an export needs to know about the trained model (``model.json``)."""
     from .hf_model import resolve_implementation
+    from .lora_setup import lora_info
 
     hf_path = cfg.model.hf_path or None
     tok = tokenizer_spec(cfg)
@@ -80,4 +81,5 @@ def model_info(cfg, args) -> dict:
         "hf_config": hf_source_config(cfg) if hf_path else None,
         "tokenizer": tok if tok == "byte" else str(Path(tok).resolve()),
         "max_seq_len": max(s.seq_len for s in cfg.stages()),
+        "lora": lora_info(cfg),  # None: every weight in the checkpoint; else the adapters only
     }

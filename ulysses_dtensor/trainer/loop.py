@@ -43,6 +43,8 @@ from .data_setup import build_training_data
 from .eval_setup import PeriodicEval, check_eval_setup
 from .fault_injection import inject_test_fault
 from .hf_start import model_info, tokenizer_spec
+from .lora_setup import flops_per_token as lora_flops_per_token
+from .lora_setup import uses_lora
 from .metrics import MetricsLogger
 from .rope_stages import global_rope_length, rope_args, rope_banner, rope_row, stage_ropes, trained_rope_info
 from .step import build_optimizer, train_step
@@ -133,9 +135,12 @@ def build_model(
     if uses_transformers(cfg):  # transformers' own model class (model.implementation)
         return build_transformers_model(cfg, pmesh, device, init_weights=init_weights,
                                         n_layers=args.n_layers if args is not None else None)
+    from .lora_setup import apply_lora
+
     args = shape
     with torch.device("meta"):
         model = Llama(args)
+    apply_lora(cfg, model, native=True)  # peft's adapters, before FSDP shards the blocks holding them
     ac = cfg.activation_checkpoint
     selective = ac.selective if ac.selective == "op" else int(ac.selective)
     model = parallelize_llama(
@@ -158,11 +163,16 @@ def build_model(
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if cfg.memory.offload_params else device)
     if init_weights and cfg.model.hf_path:
+        from ..integrations.lora import is_adapter_param
         from ..models.hf_checkpoint import load_hf_weights
 
-        load_hf_weights(model, cfg.model.hf_path)
+        load_hf_weights(model, cfg.model.hf_path, ignore=is_adapter_param)
     elif init_weights:
         model.init_weights(seed=cfg.job.seed)
+    if init_weights and uses_lora(cfg):
+        from ..integrations.lora import init_lora_weights
+
+        init_lora_weights(model, cfg.job.seed)
     return model
 
 
@@ -224,10 +234,12 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         interval=cfg.checkpoint.interval,
         keep_latest_k=cfg.checkpoint.keep_latest_k,
         enable=cfg.checkpoint.enable,
+        trainable_only=uses_lora(cfg),
     )
     latest = ckpt.latest_step() if ckpt.enable else None
-    # A resumed run takes its weights from the checkpoint: no init, no HF load.
-    model = build_model(cfg, pmesh, vocab_size, device, init_weights=latest is None)
+    # A resumed run takes its weights from the checkpoint: no init, no HF load. With LoRA
+    # the checkpoint holds the adapters only: the base is read from model.hf_path again.
+    model = build_model(cfg, pmesh, vocab_size, device, init_weights=latest is None or uses_lora(cfg))
     optimizer = build_optimizer(cfg, model)
     info = model_info(cfg, model.args)
     # Each stage's rope (checked in validate_config); None: a transformers family whose
@@ -265,6 +277,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
             f"{cfg.training.steps}; raise training.steps or use another job.dump_folder"
         )
     n_params = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # The exchanges' share of step time (eager only: compiled blocks cannot carry the timer).
     timed = cfg.metrics.exchange_timing and dims.sp > 1 and not cfg.training.compile
     timer = ExchangeTimer(device) if timed else None
@@ -279,7 +292,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
         f"  implementation {_implementation_banner(cfg)}\n"
         + _family_banner(model) +
-        f"  {data.banner(schedule, loader.source_tokens())}\n  {data.loading_banner()}\n"
+        f"{_lora_banner(cfg, model, trained, n_params)}"
+        f"  {data.banner(schedule, loader.source_tokens())}\n  {data.packing_banner()}\n  {data.loading_banner()}\n"
         f"{rope_banner(schedule, ropes) if ropes else '  rope: config.json of model.hf_path, every stage'}\n"
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
         f"  {_eval_banner(cfg, held_out)}; {_timing_banner(cfg, dims.sp, timer is not None)}"
@@ -295,7 +309,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         world_size=world,
         total_steps=cfg.training.steps,
         device=device,
-        flops_per_token=model.flops_per_token,
+        flops_per_token=lora_flops_per_token(cfg, model),  # a frozen base skips its weight gradients
         log_freq=cfg.metrics.log_freq,
         peak_flops=cfg.metrics.peak_flops,
         enable_tensorboard=cfg.metrics.enable_tensorboard,
@@ -400,6 +414,20 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
     loader.close()
     metrics.close()
     return rows
+
+
+def _lora_banner(cfg: JobConfig, model, trained: int, total: int) -> str:
+    if not uses_lora(cfg):
+        return ""
+    from ..integrations.lora import adapter_names
+
+    lo = cfg.lora
+    modules = len(adapter_names(model)) // 2
+    saved = f", modules_to_save {', '.join(lo.modules_to_save)} trained whole" if lo.modules_to_save else ""
+    drop = f", dropout {lo.dropout:g}" if lo.dropout else ""
+    return (f"  LoRA rank {lo.rank}, alpha {lo.alpha:g}{drop} on {modules} modules ({', '.join(lo.target_modules)})"
+            f"{saved}: {trained / 1e6:.3f}M of {total / 1e6:.2f}M parameters trained, the base frozen; "
+            f"checkpoints hold the trained ones\n")
 
 
 def _implementation_banner(cfg: JobConfig) -> str:

@@ -30,14 +30,17 @@ class StepResult(NamedTuple):
 
 
 def build_optimizer(cfg, model: nn.Module, *, foreach: bool | None = None) -> torch.optim.Optimizer:
-    """The trainer's AdamW over ``model``'s parameters, from ``cfg.optimizer``.
+    """The trainer's AdamW over ``model``'s trained parameters, from ``cfg.optimizer``.
 
+    Frozen parameters (a LoRA base, a VL model's vision tower) are not given to
+    it: they get no gradient, so AdamW would keep no state for them anyway, and a
+    checkpoint's optimizer state then names only what trains.
     ``foreach=None`` keeps torch's default: the multi-tensor (foreach) kernels
     on CUDA, the per-parameter loop on CPU.
     """
     opt = cfg.optimizer
     return torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],
         lr=opt.lr,
         betas=tuple(opt.betas),
         eps=opt.eps,
