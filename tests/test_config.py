@@ -177,7 +177,7 @@ def test_shipped_configs_parse():
         c = load_config(["--config", str(path)])
         if c.model.hf_path:
             continue  # needs its model directory: validated in test_hf_checkpoint.py
-        n = c.parallelism.dp_replicate * max(c.parallelism.dp_shard, 1) * c.parallelism.sp
+        n = c.parallelism.dp_replicate * max(c.parallelism.dp_shard, 1) * c.parallelism.sp * c.parallelism.tp
         validate_config(c, n)
 
 
