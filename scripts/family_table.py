@@ -1,74 +1,95 @@
-"""The README's table of transformers families x attention patterns x meshes, from the tests' own results.
+"""The README's family table, generated from the family matrix's checked-in results.
 
-Runs the parity tests with ``ULYSSES_FAMILY_RESULTS`` naming a folder, where
-each writes a JSON of the worst loss / gradient error per (family, mesh) and
-each family's patterns, then rewrites the README block between the markers
-``<!-- family-table:begin -->`` and ``<!-- family-table:end -->``::
+Reads ``ulysses_dtensor/integrations/family_results.json`` (what
+``tests/test_family_matrix.py`` measured and checks) and rewrites the README
+block between ``<!-- family-table:begin -->`` and ``<!-- family-table:end -->``:
+the counts by category, one row per passing family (its class, the patterns its
+layers passed, its token mixers, the meshes and worst errors), and the refused
+families grouped by reason::
 
-    python scripts/family_table.py                        # run the tests, rewrite README.md
-    python scripts/family_table.py --results DIR --check  # render DIR's JSON files; exit 1 if README differs
-
-JSON format (one file per test): ``{"families": {name: {"model_class": str,
-"features": [...], "covers": str, ...}}, "results": [{"family": name, "dims":
-[dp_replicate, dp_shard, sp], "loss_rel": float, "grad_rel": float}, ...]}``.
-A feature column shows a family's cell when its ``features`` name it, so a
-test of another family kind (e.g. ``"hybrid"``) fills its column by writing
-the same format.
+    python scripts/family_table.py              # rewrite README.md
+    python scripts/family_table.py --check      # exit 1 if README differs
+    python scripts/family_matrix.py             # measure again first (runs the matrix), then this
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
+from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "ulysses_dtensor" / "integrations" / "family_results.json"
 BEGIN, END = "<!-- family-table:begin -->", "<!-- family-table:end -->"
-# Parity tests that write results (pytest node ids, relative to the repository root).
-TESTS = [
-    "tests/test_hf_integration.py::test_hf_families_match_unsharded_on_every_mesh",
-    "tests/test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
-]
-FEATURES = [("window", "window"), ("softcap", "soft-cap"), ("sinks", "sinks"), ("mla", "MLA"), ("moe", "MoE"),
-            ("hybrid", "hybrid"), ("vl_rope", "VL rope")]
+CATEGORIES = {"decoder": "decoder-only", "multimodal": "multimodal", "encoder_decoder": "encoder-decoder halves",
+              "encoder": "encoders as decoders", "attention_free": "attention-free"}
 
 
-def mesh_name(dims) -> str:
-    dp_replicate, dp_shard, sp = dims
-    parts = [f"dp_replicate {dp_replicate}"] * (dp_replicate > 1) + [f"dp_shard {dp_shard}"] * (dp_shard > 1)
-    return " x ".join(parts + [f"sp {sp}"])
+def short_reason(reason: str) -> str:
+    """A refusal reason in a few words (the full one is in the JSON and in the error message)."""
+    if reason.startswith("its text model ") and " is refused: " in reason:  # a multimodal model: its text model's
+        return short_reason(reason.split(" is refused: ", 1)[1])
+    checks = [
+        ("does not dispatch attention", "no pluggable attention (not through transformers' attention registry)"),
+        ("does not build", "its default config does not build"),
+        ("bidirectional", "bidirectional attention"),
+        ("an attention mask reached", "an attention mask of its own (dynamic masking)"),
+        ("list of decoder layers", "two stacks of decoder layers (hierarchical recurrence)"),
+        ("encoder-decoder", "decoder half of an encoder-decoder"),
+        ("BERT-style", "bidirectional encoder"),
+        ("no attention at all", "attention-free (recurrent / state-space)"),
+        ("is not a decoder family of the matrix", "its text model is not a matrix family"),
+    ]
+    for needle, short in checks:
+        if needle in reason:
+            return short
+    if "layer types" in reason:
+        kinds = reason.split("layer types ", 1)[1].split("]", 1)[0] + "]"
+        mixers = reason.split("convolution: ", 1)[1].split("]", 1)[0] + "]" if "convolution: " in reason else ""
+        return f"layer types {kinds}" + (f" ({mixers})" if mixers else "") + " not exchanged"
+    return reason[:120]
 
 
-def load(results_dir: Path) -> tuple[dict, list]:
-    families, rows = {}, []
-    files = sorted(results_dir.glob("*.json"))
-    if not files:
-        raise SystemExit(f"no result files (*.json) in {results_dir}")
-    for f in files:
-        data = json.loads(f.read_text())
-        families.update(data["families"])
-        rows += data["results"]
-    return families, rows
+def _mark(entry: dict) -> str:
+    marks = list(entry.get("patterns", []))
+    if entry.get("mla"):
+        marks.append("MLA")
+    if entry.get("moe"):
+        marks.append("MoE" + (" + router loss" if entry.get("router") else ""))
+    marks += entry.get("mixers", [])
+    return ", ".join(marks)
 
 
-def render(families: dict, rows: list) -> str:
-    head = ["family (transformers class)", *(label for _, label in FEATURES), "meshes tested",
-            "worst loss rel. err.", "worst grad rel. err.", "also covers"]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for name, fam in families.items():
-        mine = [r for r in rows if r["family"] == name]
-        if not mine:
+def render(doc: dict) -> str:
+    fams = doc["families"]
+    counts = Counter((e["category"], e["status"]) for e in fams.values())
+    lines = [f"Measured with transformers {doc['transformers']} (torch {doc['torch']}), fp32, tolerances: loss "
+             f"{doc['tolerances']['loss_rel']:g}, every gradient {doc['tolerances']['grad_rel']:g} (relative).", "",
+             "| category | pass | text path | refused | fail |", "| --- | --- | --- | --- | --- |"]
+    for cat, label in CATEGORIES.items():
+        row = [counts.get((cat, s), 0) for s in ("pass", "text path", "refused", "fail")]
+        lines.append(f"| {label} | " + " | ".join(map(str, row)) + " |")
+    lines += ["", "| family | class | patterns, MLA, MoE, mixers | meshes | worst loss rel. err. | "
+                  "worst grad rel. err. |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, e in sorted(fams.items()):
+        if e["status"] != "pass":
             continue
-        marks = ["yes" if key in fam["features"] else "" for key, _ in FEATURES]
-        meshes = ", ".join(mesh_name(r["dims"]) for r in mine)
-        loss = max(r["loss_rel"] for r in mine)
-        grad = max(r["grad_rel"] for r in mine)
-        lines.append(f"| {name} ({fam['model_class']}) | " + " | ".join(marks)
-                     + f" | {meshes} | {loss:.1e} | {grad:.1e} | {fam.get('covers', '')} |")
+        meshes = e["meshes"]
+        loss = max(m["loss_rel"] for m in meshes.values())
+        grad = max(m["grad_rel"] for m in meshes.values())
+        lines.append(f"| {name} | {e.get('class', '')} | {_mark(e)} | {', '.join(meshes)} | {loss:.1e} | {grad:.1e} |")
+    text = sorted(f"{n} (-> {e['text']})" for n, e in fams.items() if e["status"] == "text path")
+    lines += ["", f"Multimodal models whose text model passes (text path): {', '.join(text)}."]
+    by_reason = defaultdict(list)
+    for name, e in sorted(fams.items()):
+        if e["status"] in ("refused", "fail") and e["category"] in ("decoder", "multimodal"):
+            by_reason[short_reason(e.get("reason", ""))].append(name)
+    lines += ["", "Refused decoder-only and multimodal families, by reason:", ""]
+    lines += [f"- {reason}: {', '.join(names)}" for reason, names in sorted(by_reason.items())]
+    others = sorted(n for n, e in fams.items() if e["category"] not in ("decoder", "multimodal"))
+    lines += ["", f"Refused for what they are (encoder-decoder halves, encoders, attention-free): {', '.join(others)}."]
     return "\n".join(lines)
 
 
@@ -78,35 +99,22 @@ def rewrite(readme: Path, table: str) -> str:
         raise SystemExit(f"{readme} has no {BEGIN} ... {END} block")
     before, rest = text.split(BEGIN, 1)
     _, after = rest.split(END, 1)
-    note = "<!-- generated by scripts/family_table.py from the parity tests' results; do not edit -->"
+    note = "<!-- generated by scripts/family_table.py from ulysses_dtensor/integrations/family_results.json -->"
     return f"{before}{BEGIN}\n{note}\n{table}\n{END}{after}"
-
-
-def run_tests(results_dir: Path) -> None:
-    env = dict(os.environ, ULYSSES_FAMILY_RESULTS=str(results_dir), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
-    if subprocess.run(cmd, cwd=ROOT, env=env).returncode:
-        raise SystemExit("the parity tests failed: no table written")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--results", type=Path, help="render this folder's JSON files instead of running the tests")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the family matrix's results (JSON)")
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
     parser.add_argument("--check", action="store_true", help="do not write; exit 1 if the README block differs")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        results_dir = args.results
-        if results_dir is None:
-            results_dir = Path(tmp)
-            run_tests(results_dir)
-        table = render(*load(results_dir))
+    table = render(json.loads(args.results.read_text()))
     new = rewrite(args.readme, table)
-    print(table)
     if args.check:
         return int(new != args.readme.read_text())
     args.readme.write_text(new)
+    print(table)
     return 0
 
 

@@ -41,20 +41,27 @@ import torch.multiprocessing as mp
 TIMEOUT = datetime.timedelta(seconds=180)
 TASK_TIMEOUT_S = 300.0
 
-__all__ = ["run_ranks", "RankFailure"]
+__all__ = ["run_ranks", "RankFailure", "destroy_subgroups"]
 
 
 class RankFailure(AssertionError):
     """A task failed (or hung) on a rank; the message holds the rank's traceback."""
 
 
-def _reset_between_tasks() -> None:
-    # Sub-groups of the finished task (meshes) would otherwise accumulate:
-    # every group holds sockets and threads in every rank.
+def destroy_subgroups() -> None:
+    """Destroy every process group but the world's (the meshes made so far), on every rank
+    together: each gloo group holds sockets and threads in every rank. A task that builds
+    many meshes calls this between them (nothing of the old meshes may be used after)."""
+    dist.barrier()
     world = dist.group.WORLD
     for pg in list(dist.distributed_c10d._world.pg_map):
         if pg is not world:
             dist.destroy_process_group(pg)
+    _free_destroyed_groups()
+    _clear_sharding_cache()
+
+
+def _free_destroyed_groups() -> None:
     # destroy_process_group only unregisters a group: its sockets and threads go
     # when the object is freed, and the task's modules (FSDP state, meshes) hold
     # it in reference cycles that only a full collection breaks. Left to gc's own
@@ -73,7 +80,9 @@ def _gloo_loops() -> int:
         except OSError:  # the thread ended meanwhile
             pass
     return n
-    torch._dynamo.reset()
+
+
+def _clear_sharding_cache() -> None:
     # DTensor caches sharding decisions per op and input specs (in Python and
     # in its C++ fast path). A DeviceMesh compares equal to any mesh of the same
     # layout and names, whatever its process groups, so a later task building
@@ -86,6 +95,18 @@ def _gloo_loops() -> int:
 
         _clear_sharding_prop_cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear
     _clear_sharding_prop_cache()
+
+
+def _reset_between_tasks() -> None:
+    # Sub-groups of the finished task (meshes) would otherwise accumulate:
+    # every group holds sockets and threads in every rank.
+    world = dist.group.WORLD
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        if pg is not world:
+            dist.destroy_process_group(pg)
+    _free_destroyed_groups()
+    torch._dynamo.reset()
+    _clear_sharding_cache()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(1)

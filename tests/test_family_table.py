@@ -1,4 +1,4 @@
-"""scripts/family_table.py: the README's family table from the parity tests' JSON results."""
+"""scripts/family_table.py: the README's family table from the family matrix's results."""
 
 import json
 from pathlib import Path
@@ -8,27 +8,49 @@ from script_module import load_script
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_family_table_renders_results_and_rewrites_only_its_block(tmp_path):
+def _doc() -> dict:
+    mesh = lambda loss, grad: {"loss_rel": loss, "grad_rel": grad, "worst": "w", "forward": {}}  # noqa: E731
+    return {"transformers": "9.9.9", "torch": "2.13", "tolerances": {"loss_rel": 1e-5, "grad_rel": 1e-4},
+            "families": {
+                "gpt_oss": {"category": "decoder", "status": "pass", "class": "GptOssForCausalLM",
+                            "patterns": ["sinks", "window"], "moe": True, "router": True, "mixers": [],
+                            "meshes": {"sp 2": mesh(2e-8, 3e-7), "dp_shard 2 x sp 2": mesh(5e-8, 1e-7)}},
+                "bamba": {"category": "decoder", "status": "pass", "class": "BambaForCausalLM", "patterns": [],
+                          "mixers": ["Mamba-2"], "meshes": {"sp 2": mesh(0.0, 1e-6)}},
+                "bloom": {"category": "decoder", "status": "refused",
+                          "reason": "BloomForCausalLM does not dispatch attention through transformers' ..."},
+                "mpt": {"category": "decoder", "status": "refused",
+                        "reason": "MptForCausalLM does not dispatch attention through transformers' ..."},
+                "gemma3": {"category": "multimodal", "status": "text path", "text": "gemma3_text"},
+                "bert": {"category": "encoder", "status": "refused", "reason": "a bidirectional encoder"},
+            }}
+
+
+def test_family_table_renders_the_results_and_rewrites_only_its_block(tmp_path):
     table = load_script(ROOT / "scripts" / "family_table.py")
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / "a.json").write_text(json.dumps({
-        "families": {"gpt_oss": {"model_class": "GptOssForCausalLM", "features": ["window", "sinks"], "covers": "x"}},
-        "results": [{"family": "gpt_oss", "dims": [1, 1, 2], "loss_rel": 2e-8, "grad_rel": 3e-7},
-                    {"family": "gpt_oss", "dims": [1, 2, 2], "loss_rel": 5e-8, "grad_rel": 1e-7}]}))
-    # Another test's file fills the hybrid column with the same format.
-    (results / "b.json").write_text(json.dumps({
-        "families": {"qwen3_next": {"model_class": "Qwen3NextForCausalLM", "features": ["hybrid", "moe"]}},
-        "results": [{"family": "qwen3_next", "dims": [2, 1, 2], "loss_rel": 1e-7, "grad_rel": 2e-6}]}))
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(_doc()))
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{table.BEGIN}\nstale\n{table.END}\noutro\n")
-    assert table.main(["--results", str(results), "--readme", str(readme), "--check"]) == 1
-    assert table.main(["--results", str(results), "--readme", str(readme)]) == 0
+    args = ["--results", str(results), "--readme", str(readme)]
+    assert table.main([*args, "--check"]) == 1
+    assert table.main(args) == 0
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{table.END}\noutro\n") and "stale" not in text
+    assert "transformers 9.9.9" in text
     rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
-    oss, nxt = rows["| gpt_oss (GptOssForCausalLM)"], rows["| qwen3_next (Qwen3NextForCausalLM)"]
-    assert oss[1:8] == ["yes", "", "yes", "", "", "", ""]  # window, soft-cap, sinks, MLA, MoE, hybrid, VL rope
-    assert oss[8:11] == ["sp 2, dp_shard 2 x sp 2", "5.0e-08", "3.0e-07"]  # the worst over meshes
-    assert nxt[5:7] == ["yes", "yes"] and nxt[8] == "dp_replicate 2 x sp 2"
-    assert table.main(["--results", str(results), "--readme", str(readme), "--check"]) == 0
+    assert rows["| decoder-only"][1:4] == ["2", "0", "2"]  # pass, text path, refused
+    assert rows["| multimodal"][1:3] == ["0", "1"]
+    oss = rows["| gpt_oss"]
+    assert oss[2] == "sinks, window, MoE + router loss"
+    assert oss[3:6] == ["sp 2, dp_shard 2 x sp 2", "5.0e-08", "3.0e-07 |"]  # the worst over meshes
+    assert rows["| bamba"][2] == "Mamba-2"
+    # Refused families grouped under one short reason each.
+    assert "- no pluggable attention (not through transformers' attention registry): bloom, mpt" in text
+    assert "gemma3 (-> gemma3_text)" in text and "attention-free): bert." in text
+    assert table.main([*args, "--check"]) == 0
+
+
+def test_readme_family_table_is_the_checked_in_results():
+    table = load_script(ROOT / "scripts" / "family_table.py")
+    assert table.main(["--check"]) == 0, "README's family table is stale: run python scripts/family_table.py"

@@ -10,18 +10,14 @@ document per row. The reference is transformers' own unsharded model, each
 document run alone, so its convolution and recurrence start from zero at every
 document; loss and every parameter's gradient must match on sp 2, sp 4,
 dp_shard 2 x sp 2 and dp_shard 2 x sp 1, with the all-to-alls of each layer
-counted exactly. With
-``ULYSSES_FAMILY_RESULTS=<dir>`` the worst errors per (family, mesh) go to
-``<dir>/hf_linear_attention.json`` (the format ``scripts/family_table.py`` reads).
+counted exactly. (The family matrix runs these families too, on 29 tokens: one
+recurrence chunk; here the state crosses chunks, with the options on top.)
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
-import json
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -64,12 +60,10 @@ FAMILIES = {
                     "gated delta-net with separate projections + gated full attention, MoE MLPs"),
 }
 CASES = [
-    ("qwen3_next", (1, 1, 2), {}),
     ("qwen3_next", (1, 1, 4), {"ac_mode": "full"}),
     ("qwen3_next", (1, 2, 2), {"pack_qkv": True}),
     ("qwen3_next", (1, 2, 1), {}),  # no exchange: documents still restart the state
     ("qwen3_5", (1, 1, 2), {"ac_mode": "selective"}),
-    ("qwen3_5", (1, 1, 4), {}),
     ("qwen3_5_moe", (1, 2, 2), {}),
 ]
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
@@ -198,28 +192,12 @@ def _parity_worker(rank: int, world: int) -> list[dict]:
     return results
 
 
-def write_results(path: Path, results: list[dict]) -> None:
-    """Worst loss / gradient error per (family, mesh) over every rank (scripts/family_table.py's format)."""
-    worst, seen = {}, {}
-    for r in results:
-        w = worst.setdefault((r["family"], tuple(r["dims"])), {"loss_rel": 0.0, "grad_rel": 0.0})
-        w["loss_rel"], w["grad_rel"] = max(w["loss_rel"], r["loss_rel"]), max(w["grad_rel"], r["grad_rel"])
-        seen[r["family"]] = r
-    families = {f: {"model_class": r["model_class"], "model_type": r["model_type"], "features": ["hybrid"],
-                    "layers": len(LAYER_TYPES), "covers": FAMILIES[f][2]} for f, r in seen.items()}
-    rows = [{"family": f, "dims": list(d), **w} for (f, d), w in sorted(worst.items())]
-    path.write_text(json.dumps({"families": families, "results": rows}, indent=1) + "\n")
-
-
 def test_hybrid_models_match_unsharded_on_every_mesh():
     results = run_ranks(4, _parity_worker)
     for r in results[0]:
         print(f"{r['family']:10s} dims={tuple(r['dims'])} {r['opts']}: loss rel {r['loss_rel']:.1e}, "
               f"grad rel {r['grad_rel']:.1e}, fwd {r['counts']['forward']} bwd {r['counts']['backward']}")
     assert len(results[0]) == len(CASES)
-    out = os.environ.get("ULYSSES_FAMILY_RESULTS")
-    if out:
-        write_results(Path(out) / "hf_linear_attention.json", [x for per_rank in results for x in per_rank])
 
 
 # ---------------------------------------------------------------------------
@@ -314,19 +292,17 @@ def _refusals_worker(rank: int, world: int) -> list[str]:
     with registry_restored():
         refuse(make_model("qwen3_next", linear_num_key_heads=2, linear_num_value_heads=4), 4,
                "linear_num_key_heads=2", "sp=4", "valid sp: [1, 2]")
-        refuse(auto(T.Lfm2Config(**small, num_attention_heads=4, num_key_value_heads=2,
-                                 layer_types=["conv", "full_attention"])), 2, "['conv']", "Lfm2ShortConv")
         refuse(auto(T.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, state_size=4)), 2,
                "['linear_attention']", "MambaMixer")
-        refuse(auto(T.GraniteMoeHybridConfig(**small, num_attention_heads=4, layer_types=[
-            "mamba", "attention"], mamba_d_state=8, mamba_n_heads=8, mamba_d_head=8)), 2,
-            "['linear_attention']", "GraniteMoeHybridMambaLayer")
         refuse(auto(T.MiniMaxConfig(**small, num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
                                     layer_types=["linear_attention", "full_attention"])), 2, "['linear_attention']")
         refuse(auto(T.OlmoHybridConfig(**small, num_attention_heads=4)), 2,
                "['linear_attention']", "OlmoHybridGatedDeltaNet")
-        refuse(auto(T.FalconH1Config(**small, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=32,
-                                     mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8)), 2, "['hybrid']")
+        # Mixers that run (Mamba-2, here) refuse an sp their heads / groups cannot take, naming the valid ones.
+        refuse(auto(T.GraniteMoeHybridConfig(**small, num_attention_heads=4, layer_types=["mamba", "attention"],
+                                             mamba_d_state=8, mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=3,
+                                             mamba_expand=3)), 2,
+               "GraniteMoeHybridMambaLayer has 6 heads in 3 groups", "valid sp: [1, 3, 6]")
     return msgs
 
 

@@ -12,6 +12,12 @@ router logits of the whole batch, clipping and AdamW as the trainer does. Both
 steps' loss (relative error <= 1e-5) and gradient norm (<= 1e-4) must match, and
 ``router_aux_loss`` equal transformers' aux loss.
 
+A sample of the family matrix's passing families beyond these (:data:`SAMPLE`: ten, one of
+each kind -- windows, MoE with and without a router loss, MLA, the Mamba-2, Mamba and
+short-convolution hybrids; two of them a day, all with ``ULYSSES_TRAINER_SAMPLE=all``)
+goes end to end: TOML, 2 steps at sp 2 against transformers' own, a DCP resume at step 1
+on dp_shard 2, evaluation, and an export that loads in transformers with warnings as errors.
+
 The VL model (Qwen2.5-VL) trains its text path (text-only calls: transformers'
 own positions, the same on the three mrope sections); its run also checkpoints,
 and the export of that checkpoint must hold the source's tensor names, config.json
@@ -199,23 +205,8 @@ def _vl_eval_args(held_out) -> list[str]:
 def _vl_eval(dump, trained_ref, held_out) -> str:
     """The trainer's held-out loss at step 2 (sp 2) equals transformers' trained model's
     over the same rows (each packed document alone)."""
-    from ulysses_dtensor.data import TokenStream, build_source, build_tokenizer
-
-    rows = [json.loads(line) for line in (dump / "eval" / "eval.jsonl").read_text().splitlines() if line.strip()]
-    (got,) = [r for r in rows if r["kind"] == "loss" and r["step"] == STEPS]
-    stream = TokenStream(build_source(str(held_out)), build_tokenizer("byte"), seed=1234, shuffle=False)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for _ in range(EVAL_ROWS):
-            ids, pos = (torch.from_numpy(a) for a in stream.take(EVAL_LENGTH))
-            for a, b in document_spans(pos):
-                if b - a > 1:
-                    logits = trained_ref(input_ids=ids[None, a:b]).logits[0, :-1]
-                    total += F.cross_entropy(logits, ids[a + 1:b], reduction="sum").item()
-                    count += b - a - 1
-    assert got["tokens"] == count, (got, count)
-    rel = abs(got["loss"] - total / count) / (total / count)
-    assert rel <= 1e-5, (got["loss"], total / count)
+    rel = _eval_loss(dump, trained_ref, held_out)
+    assert rel <= 1e-5, rel
     return f"{VL} eval (sp 2, length {EVAL_LENGTH}) vs transformers' trained model: loss {rel:.1e}"
 
 
@@ -283,3 +274,140 @@ def _vl_plan(argv, model) -> str:
     assert state == pytest.approx(2 * 4 * text / 4, rel=0.02), (state, text, vision)
     assert vision * 2 * 4 / 4 > 0.05 * state  # a trained tower would be seen
     return f"{VL} memory plan: optimizer state {state} B for {text} text parameters ({vision} frozen vision)"
+
+
+# ---------------------------------------------------------------------------
+# A sample of the family matrix's families end to end: TOML, DCP resume on another mesh, eval, export
+# ---------------------------------------------------------------------------
+
+# Ten families beyond the twenty above, one of each kind the matrix passes: sliding windows
+# (OLMo-3), MoE without (GLM-4-MoE) and with a router loss (PhiMoE), MLA (DeepSeek-V2), and the
+# hybrids: Mamba-2 mixers (Bamba, Nemotron-H with its MLP / MoE layers, Falcon-H1 with attention
+# and Mamba in one layer and a muP head, Zamba2 with its shared attention block), short
+# convolutions (LFM2) and Jamba's Mamba (with a router loss).
+SAMPLE = ("olmo3", "glm4_moe", "phimoe", "deepseek_v2", "bamba", "nemotron_h", "falcon_h1", "zamba2", "lfm2",
+          "jamba")
+# Each suite run trains ROTATING of them (the day's; each costs a few seconds of 2 ranks): all ten
+# pass (ULYSSES_TRAINER_SAMPLE=all runs them all; a comma-separated list names some).
+ROTATING = 2
+SAMPLE_ENV = "ULYSSES_TRAINER_SAMPLE"
+
+
+def trainer_sample() -> list[str]:
+    """The families of :data:`SAMPLE` this run trains: those :data:`SAMPLE_ENV` names, else the day's."""
+    import datetime
+    import os
+    import random
+
+    named = os.environ.get(SAMPLE_ENV, "")
+    if named == "all":
+        return list(SAMPLE)
+    if named:
+        return [t for t in named.split(",") if t in SAMPLE]
+    day = datetime.date.today().toordinal()
+    return sorted(random.Random(day).sample(SAMPLE, ROTATING), key=SAMPLE.index)
+
+
+def _matrix_model(name: str):
+    """The family matrix's tiny model of ``name`` with the byte tokenizer's vocabulary."""
+    from ulysses_dtensor.integrations import family_check, family_matrix
+
+    config = family_matrix.tiny_config(name)
+    config.get_text_config().vocab_size = VOCAB
+    model = family_matrix.tiny_model(config)
+    router = family_check.router_loss(model) is not None
+    if router:
+        model.config.get_text_config().output_router_logits = True
+    return model, router
+
+
+def _eval_loss(dump, trained_ref, held_out) -> float:
+    """The trainer's held-out loss at step 2 against transformers' trained model (each document alone)."""
+    from ulysses_dtensor.data import TokenStream, build_source, build_tokenizer
+
+    rows = [json.loads(line) for line in (dump / "eval" / "eval.jsonl").read_text().splitlines() if line.strip()]
+    (got,) = [r for r in rows if r["kind"] == "loss" and r["step"] == STEPS]
+    stream = TokenStream(build_source(str(held_out)), build_tokenizer("byte"), seed=1234, shuffle=False)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for _ in range(EVAL_ROWS):
+            ids, pos = (torch.from_numpy(a) for a in stream.take(EVAL_LENGTH))
+            for a, b in document_spans(pos):
+                if b - a > 1:
+                    logits = trained_ref(input_ids=ids[None, a:b]).logits[0, :-1]
+                    total += F.cross_entropy(logits, ids[a + 1:b], reduction="sum").item()
+                    count += b - a - 1
+    assert got["tokens"] == count, (got, count)
+    return abs(got["loss"] - total / count) / (total / count)
+
+
+def _export_diff(src, ckpt, out, trained_ref) -> tuple[float, float]:
+    """Export ``ckpt`` and load it with transformers' own class, warnings as errors: (max logits
+    difference to the checkpoint's weights in transformers' class, max difference to transformers'
+    model trained alongside relative to its logits' scale)."""
+    import transformers
+    from transformers_strict import no_transformers_warnings
+
+    from ulysses_dtensor.export import main as export_main
+    from ulysses_dtensor.integrations.hf_weights import init_non_persistent_buffers
+    from ulysses_dtensor.trainer.checkpoint import load_model_weights
+
+    assert export_main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    with no_transformers_warnings():
+        exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        trained = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(src),
+                                                                dtype=torch.float32)
+    trained.to_empty(device="cpu")
+    init_non_persistent_buffers(trained)
+    load_model_weights(ckpt, trained)
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want, ref = (m.eval()(input_ids=ids).logits for m in (exported, trained, trained_ref))
+    return (got - want).abs().max().item(), ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_sampled_families_resume_on_another_mesh_evaluate_and_export(tmp_path, capsys):
+    sample = trainer_sample()
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text(Path(json.__file__).read_text())
+    jobs, seeds, models = {}, {}, {}
+    for name in sample:
+        model, router = _matrix_model(name)
+        model.save_pretrained(tmp_path / name)
+        models[name] = (model, router)
+        jobs[name] = _args(tmp_path / name, tmp_path / "runs" / name, checkpoint=True) + [
+            "--checkpoint.interval", "1", *_vl_eval_args(held_out)]
+        # Resumed from step 1 on dp_shard 2 (another mesh: parameters sharded over 2 ranks, no sp).
+        resumed = f"{name} resumed"
+        jobs[resumed] = _args(tmp_path / name, tmp_path / "runs" / resumed, checkpoint=True)
+        at = jobs[resumed].index("--parallelism.dp_shard")
+        jobs[resumed][at + 1: at + 4] = ["2", "--parallelism.sp", "1"]
+        seeds[resumed] = (tmp_path / "runs" / name / "checkpoint" / "step-1",
+                          tmp_path / "runs" / resumed / "checkpoint" / "step-1")
+    # Each family trains twice (sp 2, then resumed on dp_shard 2) and checkpoints: ten of them take
+    # minutes on a loaded 2-core machine, more than the pool's default task timeout.
+    out = run_ranks(2, _train_all, jobs, seeds, timeout=120 + 120 * len(sample))[0]
+    table = []
+    for name in sample:
+        model, router = models[name]
+        ref = reference(model.train(), jobs[name], router)
+        rows, again = out[name], out[f"{name} resumed"]
+        assert [r["step"] for r in rows] == [1, 2] and [r["step"] for r in again] == [2], (name, rows, again)
+        loss = max(abs(r["loss"] - w["loss"]) / w["loss"] for r, w in zip([*rows, *again], [*ref, ref[1]]))
+        norm = max(abs(r["grad_norm"] - w["grad_norm"]) / w["grad_norm"] for r, w in zip([*rows, *again],
+                                                                                          [*ref, ref[1]]))
+        assert loss <= LOSS_RTOL and norm <= GRAD_RTOL, (name, rows, again, ref)
+        evaluated = _eval_loss(tmp_path / "runs" / name, model.eval(), held_out)
+        assert evaluated <= 1e-5, (name, evaluated)
+        exported, vs_ref = _export_diff(tmp_path / name, tmp_path / "runs" / name / "checkpoint" / f"step-{STEPS}",
+                                        tmp_path / "export" / name, model)
+        # The export is the checkpoint exactly; the checkpoint is transformers' own training to
+        # Adam's rounding (parameters whose gradient is rounding noise move by lr either way).
+        assert exported < 1e-5 and vs_ref < 1e-3, (name, exported, vs_ref)
+        table.append(f"{name}: loss {loss:.1e}, grad norm {norm:.1e} (sp 2, resumed on dp_shard 2), eval "
+                     f"{evaluated:.1e}, export logits {exported:.1e} (vs transformers' trained {vs_ref:.1e})"
+                     + (" (router loss)" if router else ""))
+    with capsys.disabled():
+        print(f"\nsampled families through the trainer vs transformers unsharded ({SAMPLE_ENV}="
+              f"{','.join(sample)}):\n  " + "\n  ".join(table))

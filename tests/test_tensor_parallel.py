@@ -46,15 +46,18 @@ CASES = [
 
 def _parity_worker(rank: int, world: int) -> list[dict]:
     out = []
-    plain.FAMILIES["qwen3_kv2"] = QWEN3_KV2
-    with plain.registry_restored():
-        refs = memory._references(sorted({f for f, _, _ in CASES}), rank, world)
-        for family, (dp_shard, sp, tp), opts in CASES:
-            pmesh = ParallelDims(1, dp_shard, sp, world_size=world, tp=tp).build_mesh("cpu")
-            r = memory._run(family, pmesh, opts, count=True)
-            value, grads, info = r
-            out.append({**memory._check(family, opts, f"dp_shard {dp_shard} x sp {sp} x tp {tp}", value, grads,
-                                        *refs[family]), "info": info, "sp": sp, "tp": tp})
+    plain.FAMILIES["qwen3_kv2"] = QWEN3_KV2  # removed again below: the pooled ranks run later tasks
+    try:
+        with plain.registry_restored():
+            refs = memory._references(sorted({f for f, _, _ in CASES}), rank, world)
+            for family, (dp_shard, sp, tp), opts in CASES:
+                pmesh = ParallelDims(1, dp_shard, sp, world_size=world, tp=tp).build_mesh("cpu")
+                r = memory._run(family, pmesh, opts, count=True)
+                value, grads, info = r
+                out.append({**memory._check(family, opts, f"dp_shard {dp_shard} x sp {sp} x tp {tp}", value,
+                                            grads, *refs[family]), "info": info, "sp": sp, "tp": tp})
+    finally:
+        plain.FAMILIES.pop("qwen3_kv2", None)
     return out
 
 

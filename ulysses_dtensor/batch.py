@@ -38,7 +38,7 @@ def shard_batch(
     sp_rank: int | None = None,
     sp_size: int | None = None,
     ring: int | None = None,
-    pad_token_id: int = 0,
+    pad_token_id: int | None = 0,
     ignore_index: int = IGNORE_INDEX,
     pad: bool = True,
 ) -> dict[str, Tensor | None]:
@@ -55,6 +55,7 @@ def shard_batch(
             degree of ``sp_mesh`` (``ParallelMesh.sp`` carries it), else 1.
         pad: pad S up to a multiple of sp (of lcm(sp, 2*ring) with a ring;
             pad labels ignored). With ``pad=False`` another S is an error.
+        pad_token_id: the id the padding carries; None repeats each row's last token.
 
     Returns ``input_ids``, ``labels`` (shifted), ``position_ids`` (global
     positions) for this rank's ``S_pad / sp`` tokens, and ``document_ids``
@@ -106,7 +107,10 @@ def shard_batch(
                 f"{padded} (pad=True) or use a length that is a multiple of {unit}"
             )
         extra = padded - seq
-        input_ids = _pad(input_ids, extra, pad_token_id)
+        if pad_token_id is None:
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(bsz, extra)], dim=1)
+        else:
+            input_ids = _pad(input_ids, extra, pad_token_id)
         labels = _pad(labels, extra, ignore_index)
         # Pads continue the positions; causal attention keeps real tokens from
         # seeing them. With documents, pads form one more document of their own.

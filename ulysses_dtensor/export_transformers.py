@@ -43,7 +43,11 @@ def _meta_model(source: dict):
     if model_type not in CONFIG_MAPPING:
         raise HFCheckpointError(f"the checkpoint's source config has model_type={model_type!r}, unknown to "
                                 f"this transformers")
-    config = CONFIG_MAPPING[model_type].from_dict(dict(source))
+    cls = CONFIG_MAPPING[model_type]
+    # config.json spells inf / nan as {"__float__": "Infinity"} (Mamba-2 hybrids' time_step_limit):
+    # decoded as transformers' own from_pretrained does.
+    decode = getattr(cls, "_decode_special_floats", lambda d: d)
+    config = cls.from_dict(decode(dict(source)))
     try:
         cls = auto_model_class(config)  # the class the trainer built (a VL model's image-text-to-text class)
     except ValueError as e:

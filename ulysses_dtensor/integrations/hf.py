@@ -52,13 +52,15 @@ from ..ulysses import UlyssesAttention, kv_replication
 from .hf_attention import (
     ATTN_IMPLEMENTATION,
     DOCUMENT_IDS_KWARG,
+    CallState,
     UlyssesCore,
     check_backend_for_patterns,
     model_patterns,
     ulysses_attention_forward,
 )
-from .hf_families import check_known_family, decoder_layers, text_config_key
-from .hf_linear_attention import UlyssesGatedDeltaNet, check_layer_types, has_gated_delta_nets, linear_attention_modules
+from .family_check import verify_at_start
+from .hf_families import check_known_family, decoder_layers, is_attention_module, text_config_key
+from .hf_mixers import PER_TOKEN_LAYER_TYPES, check_layer_types, has_token_mixers, token_mixer_modules
 from .hf_memory import lean_norms, norm_formula as _norm_formula, per_token_blocks, per_token_width, tile_per_token_blocks
 from .hf_moe import install_router_aux_loss
 from .hf_positions import slice_positions, text_positions
@@ -75,10 +77,9 @@ __all__ = [
 ]
 
 # Layer kinds whose attention is ordinary causal attention (sliding windows are
-# checked against the sequence length at run time). Anything else -- state-space
-# layers, chunked attention, linear attention other than the gated delta-nets of
-# hf_linear_attention -- would mix tokens over the local slice only, silently
-# wrong under SP.
+# checked against the sequence length at run time). Anything else -- chunked or
+# indexed attention, recurrences other than the mixers of hf_mixers -- would mix
+# tokens over the local slice only, silently wrong under SP.
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Model keyword argument carrying the unpadded length of the whole sequence
@@ -146,8 +147,12 @@ def parallelize_hf_model(
             (``model.offloader`` reports the bytes; :mod:`~ulysses_dtensor.offload`).
         offload_params: FSDP2 ``CPUOffloadPolicy`` (parameter shards, gradients
             and optimizer state in host memory; see ``parallelize_llama``).
-        allow_untested: run a model whose family is not in
-            :data:`~.hf_families.KNOWN_MODEL_TYPES` (refused by default).
+        allow_untested: skip the family check. By default a family must pass the
+            family matrix for the installed transformers (:mod:`.family_results`; a family
+            it refused is refused with its reason), or, when the matrix has not measured
+            it (a newer family, another transformers version), pass the same comparison at
+            start on this mesh's ranks (:func:`~.family_check.verify_at_start`: a tiny model
+            of its config class, about a second). ``model.family_status`` says which.
 
     USP (a mesh with ``ring > 1``): the exchange runs over the ulysses ranks and
     ring attention over the ring ranks, for causal attention with packed
@@ -169,6 +174,7 @@ def parallelize_hf_model(
     ring = getattr(pmesh.dims, "ring", 1)
     tp = getattr(pmesh.dims, "tp", 1)
     layers, attentions, linear = _check_model(model, pmesh.dims.ulysses, allow_untested, tp)
+    status = check_known_family(model, allow_untested)
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
     every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
@@ -190,6 +196,10 @@ def parallelize_hf_model(
         _check_compile_backend(compile_backend)
     check_backend(attn_backend)
     check_backend_for_patterns(name, attn_backend, model_patterns(model.config.get_text_config(), attentions))
+    if status.state == "unmeasured":  # newer than the family matrix: measured here, on these ranks
+        status = verify_at_start(model, pmesh, status.model_type, status.detail, attn_backend=attn_backend,
+                                 pack_qkv=pack_qkv)
+    model.family_status = status  # what the trainer's banner shows
 
     # 1. Ulysses: transformers' attention dispatch -> our exchange + local attention.
     register_ulysses_attention()
@@ -209,18 +219,21 @@ def parallelize_hf_model(
         )
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         config.use_cache = False  # a KV cache of local slices would be wrong
+    call = CallState()  # what each call's pre-hook learns, for the layers and post-hooks
     for attn in attentions:
-        core = UlyssesCore(attn_backend, name, pmesh.dims.ulysses, pmesh.ring)
+        core = UlyssesCore(attn_backend, name, pmesh.dims.ulysses, pmesh.ring, call)
         attn.ulysses = parallelize_module(core, pmesh.ulysses, UlyssesAttention(pack_qkv=pack_qkv))
-    # Hybrid models: the gated delta-net layers exchange around their convolution + recurrence.
-    for net in linear:
-        parallelize_module(net, pmesh.sp, UlyssesGatedDeltaNet(name))
+    # Hybrid models: each token mixer (gated delta-net, Mamba, short convolution) exchanges
+    # around its convolution + recurrence.
+    for module, mixer in linear:
+        parallelize_module(module, pmesh.sp, mixer.style(name, call))
     # Tensor parallelism: transformers' own plan for the family, PyTorch's styles.
     if tp_plan is not None:
         tensor_parallelize(list(layers), pmesh.tp, tp_plan)
     # The per-token blocks over tiles of the tokens, and RMSNorms that keep only their input for
     # backward (classes swapped in place: names unchanged).
-    tile_per_token_blocks(blocks, mlp_tiles, per_token_width(model.config.get_text_config()))
+    if blocks:
+        tile_per_token_blocks(blocks, mlp_tiles, per_token_width(model.config.get_text_config()))
     lean_norms(model)
 
     # 2-3. Activation checkpointing (or the host-offloaded checkpoint), then compile around
@@ -242,7 +255,6 @@ def parallelize_hf_model(
     _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward, offload_params)
     # Input checks run first, before FSDP's own pre-forward (all-gathers): bad
     # input fails before any communication.
-    call = _CallState()
     model.register_forward_pre_hook(
         functools.partial(_prepare_inputs, name=name, sp=pmesh.dims.sp, sp_rank=pmesh.sp_rank, ring=ring, call=call),
         with_kwargs=True, prepend=True,
@@ -252,15 +264,7 @@ def parallelize_hf_model(
     return model
 
 
-class _CallState:
-    """What the model's pre-hook learns from one call for its post-hooks (the
-    unpadded sequence length). The top-level forward is never compiled or
-    recomputed by activation checkpointing, so per-call state is safe here."""
-
-    seq_len: int | None = None
-
-
-def _valid_tokens(batch: int, seq: int, *, call: _CallState, sp: int, sp_rank: int, ring: int) -> Tensor | None:
+def _valid_tokens(batch: int, seq: int, *, call: CallState, sp: int, sp_rank: int, ring: int) -> Tensor | None:
     """(batch * seq,) True for this rank's real tokens, False for padding; None: all real."""
     if call.seq_len is None:
         return None
@@ -273,7 +277,7 @@ def _check_model(
 ) -> tuple[nn.ModuleList, list[nn.Module], list[nn.Module]]:
     """Refuse what Ulysses attention (``sp``: the ulysses degree) cannot run correctly,
     with ``tp`` ranks splitting the heads first; return the decoder layers, the
-    attention modules and the gated delta-net (linear attention) modules in them."""
+    attention modules and the other token mixers (module, :class:`~.hf_mixers.TokenMixer`) in them."""
     try:
         from transformers import PreTrainedModel
     except ImportError as e:  # pragma: no cover - the hf extra is absent
@@ -286,9 +290,9 @@ def _check_model(
         raise ValueError(f"{name} is an encoder-decoder model; Ulysses SP here supports decoder-only causal LMs")
     # Layer types first: hybrids (Mamba, conv, linear attention) are named by their layer type.
     check_layer_types(model, _SUPPORTED_LAYER_TYPES)
-    # Hybrids with gated delta-nets declare no attention backend (their linear layers cannot
-    # honour one); their full-attention layers dispatch through the registry all the same.
-    if not getattr(model, "_supports_attention_backend", False) and not has_gated_delta_nets(model):
+    # Hybrids declare no attention backend (their mixers cannot honour one); their attention
+    # layers dispatch through the registry all the same (the family matrix measures it).
+    if not getattr(model, "_supports_attention_backend", False) and not has_token_mixers(model):
         raise ValueError(
             f"{name} does not dispatch attention through transformers' AttentionInterface "
             "(_supports_attention_backend is False), so Ulysses attention cannot be plugged in"
@@ -320,28 +324,35 @@ def _check_model(
             f"{name}: expected one list of decoder layers of types {sorted(block_names)}, found {len(lists)}"
         )
     layers = lists[0]
-    attentions = [m for layer in layers for m in layer.modules() if type(m).__name__.endswith("Attention")]
-    linear = linear_attention_modules(name, layers, sp)
-    if len(attentions) + len(linear) != len(layers):
+    attentions = [m for layer in layers for m in layer.modules() if is_attention_module(m)]
+    layer_types = list(getattr(text, "layer_types", None) or ())
+    linear = token_mixer_modules(name, layers, layer_types, sp)
+    mixers = {id(m) for m, _ in linear}
+    bare = [i for i, layer in enumerate(layers)
+            if not any(is_attention_module(m) or id(m) in mixers for m in layer.modules())
+            and not (i < len(layer_types) and layer_types[i] in PER_TOKEN_LAYER_TYPES)]
+    if bare:
         raise ValueError(
-            f"{name}: expected one *Attention or gated delta-net module per decoder layer, found "
-            f"{len(attentions)} + {len(linear)} in {len(layers)} layers"
+            f"{name}: decoder layer {bare[0]} ({type(layers[bare[0]]).__name__}) holds no *Attention / *MLA module "
+            "nor a token mixer Ulysses SP runs: how it mixes tokens is unknown"
         )
     for attn in attentions:
         if not getattr(attn, "is_causal", True):
             raise ValueError(f"{name}: {type(attn).__name__} is not causal; only causal attention is supported")
-    check_known_family(model, allow_untested)
+    check_known_family(model, allow_untested)  # a family the matrix refused, refused before anything runs
     return layers, attentions, linear
 
 
-def check_tp_model(model: nn.Module, layers: nn.ModuleList, linear: list[nn.Module], tp: int) -> dict[str, str]:
+def check_tp_model(model: nn.Module, layers: nn.ModuleList, linear: list[tuple], tp: int) -> dict[str, str]:
     """The model's tensor-parallel plan (transformers' ``base_model_tp_plan``, block-relative),
     or ValueError naming the model and why it cannot take ``tp``: no plan, a style this
-    package does not run, linear-attention layers, or a norm whose weight gradient must be
+    package does not run, token mixers other than attention (gated delta-nets, Mamba, short
+    convolutions), or a norm whose weight gradient must be
     summed over tp but whose forward is not one this package computes (nothing changed)."""
     name = type(model).__name__
     if linear:
-        raise ValueError(f"{name} with tp={tp}: its {type(linear[0]).__name__} layers (gated delta-nets) are not "
+        module, mixer = linear[0]
+        raise ValueError(f"{name} with tp={tp}: its {type(module).__name__} layers ({mixer.kind}s) are not "
                          "split over tp ranks; use tp=1")
     plan = hf_tp_plan(model, "layers.*.")
     block = dict(layers[0].named_modules())
@@ -359,7 +370,7 @@ def check_tp_model(model: nn.Module, layers: nn.ModuleList, linear: list[nn.Modu
     return plan
 
 
-def check_ring_model(model: nn.Module, attentions: list[nn.Module], linear: list[nn.Module], backend: str,
+def check_ring_model(model: nn.Module, attentions: list[nn.Module], linear: list[tuple], backend: str,
                      ring: int) -> None:
     """Refuse, naming the model and the reason, what ring attention (``ring > 1``) does not run:
     its blocks are merged from plain causal kernels (no window, soft-cap or sinks), and a
@@ -369,10 +380,11 @@ def check_ring_model(model: nn.Module, attentions: list[nn.Module], linear: list
     name = type(model).__name__
     where = f"{name} with ring={ring}"
     if linear:
+        module, mixer = linear[0]
         raise ValueError(
-            f"{where}: its {type(linear[0]).__name__} layers are recurrent (gated delta-nets); ring attention "
-            "would have to pass their state around the ring, which is not implemented. Use ring=1 (Ulysses "
-            "up to the linear-attention head count)")
+            f"{where}: its {type(module).__name__} layers are {mixer.kind}s (recurrent or convolutional); ring "
+            "attention would have to pass their state around the ring, which is not implemented. Use ring=1 "
+            "(Ulysses up to the mixer's head / channel count)")
     for feature, value in model_patterns(model.config.get_text_config(), attentions).items():
         raise ValueError(f"{where}: {refused_pattern(feature, value)}")
     try:
@@ -381,10 +393,11 @@ def check_ring_model(model: nn.Module, attentions: list[nn.Module], linear: list
         raise ValueError(f"{where}: {e}") from None
 
 
-def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int, ring: int, call: _CallState):
+def _prepare_inputs(module, args, kwargs, *, name: str, sp: int, sp_rank: int, ring: int, call: CallState):
     """Model forward pre-hook: refuse inputs whose meaning SP would change, default
     the position ids to this rank's GLOBAL positions."""
     call.seq_len = kwargs.pop(SEQ_LEN_KWARG, None)
+    call.document_ids = kwargs.get(DOCUMENT_IDS_KWARG)
     if len(args) > 1:
         raise TypeError(f"{name} under Ulysses SP: pass everything after input_ids as keyword arguments")
     ref = args[0] if args else kwargs.get("input_ids")
@@ -466,7 +479,7 @@ def shard_hf_batch(
     batch: Mapping[str, Tensor],
     sp_mesh=None,
     *,
-    pad_token_id: int = 0,
+    pad_token_id: int | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """This sp rank's model keyword arguments and labels for a transformers model.
@@ -476,6 +489,10 @@ def shard_hf_batch(
     per packed document -- (B, S), or multimodal rope ids (3, B, S) / (4, B, S)
     (:mod:`.hf_positions`), sliced on the last dim -- and an ``attention_mask``
     that must be all ones (padding is done here, at the end, ignored by the loss).
+    The padding repeats each row's last token (``pad_token_id=None``): a padding id
+    whose embedding row is zero (transformers zero-inits ``padding_idx``) would feed
+    zeros into a norm without an epsilon (Gemma-3n's altup magnitudes), whose
+    backward is NaN -- and NaN times the padding's zero weight is still NaN.
 
     Returns ``(inputs, labels)``: ``inputs`` has ``input_ids`` and GLOBAL
     ``position_ids`` for this rank's ``S_pad/sp`` tokens, :data:`SEQ_LEN_KWARG`

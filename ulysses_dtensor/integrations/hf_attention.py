@@ -34,9 +34,12 @@ from ..attention.select import SUPPORTS
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "DOCUMENT_IDS_KWARG",
+    "CallState",
+    "call_document_ids",
     "UlyssesCore",
     "check_backend_for_patterns",
     "model_patterns",
+    "recording_patterns",
     "ulysses_attention_forward",
 ]
 
@@ -54,6 +57,48 @@ _REFUSED_KWARGS = {
     "cu_seq_lens_k": "transformers' own packed-sequence metadata (use shard_hf_batch's document ids)",
     "position_bias": "an additive position bias",
 }
+
+
+class CallState:
+    """What the model's pre-hook learns from one call, for its layers and post-hooks: the
+    unpadded sequence length and the whole sequence's document ids. The top-level forward
+    is never compiled or recomputed, so per-call state is safe here.
+
+    Layers read the document ids from here when the model does not pass its keyword
+    arguments down to them (Nemotron's decoder drops them): without the ids, packed
+    documents would silently attend to each other. (A layer recomputed by activation
+    checkpointing reads them in backward: the same call's, as long as each forward's
+    backward runs before the next forward, as in every training loop here.)"""
+
+    seq_len: int | None = None
+    document_ids: Tensor | None = None
+
+
+def call_document_ids(kwargs: dict, call: CallState | None) -> Tensor | None:
+    """The whole sequence's document ids of this call: passed down by the model, or from its pre-hook."""
+    documents = kwargs.get(DOCUMENT_IDS_KWARG)
+    if documents is None and call is not None:
+        documents = call.document_ids
+    return documents
+
+
+# The patterns calls passed while :func:`recording_patterns` is active (the family
+# matrix records what each family really passes), else None.
+_SEEN: set | None = None
+
+
+class recording_patterns:
+    """Collect, as a set of names (``window``, ``softcap``, ``sinks``), the patterns the
+    model's layers pass to Ulysses attention inside the ``with`` block (eager calls)."""
+
+    def __enter__(self) -> set:
+        global _SEEN
+        self.saved, _SEEN = _SEEN, set()
+        return _SEEN
+
+    def __exit__(self, *exc) -> None:
+        global _SEEN
+        _SEEN = self.saved
 
 
 def model_patterns(text_config, attentions: list[nn.Module]) -> dict:
@@ -98,8 +143,9 @@ class UlyssesCore(nn.Module):
     refuses the patterns the ring does not implement before anything runs).
     """
 
-    def __init__(self, backend: str, model_name: str, sp: int, ring_mesh=None):
+    def __init__(self, backend: str, model_name: str, sp: int, ring_mesh=None, call: CallState | None = None):
         super().__init__()
+        self.call = call
         self.backend = check_backend(backend)
         self.model_name = model_name
         self.sp = sp
@@ -178,15 +224,20 @@ def ulysses_attention_forward(
     for kw, what in _REFUSED_KWARGS.items():
         if kwargs.get(kw) is not None:
             raise ValueError(f"{name}: {what} ({kw}=...) is not supported by Ulysses attention")
-    document_ids = kwargs.get(DOCUMENT_IDS_KWARG)
+    document_ids = call_document_ids(kwargs, core.call)
     window = kwargs.get("sliding_window")
     seq = document_ids.shape[1] if document_ids is not None else query.shape[2] * core.sp
     if window is not None and window >= seq:
         window = None  # every key of the sequence is in the window: plain causal
+    if _SEEN is not None:
+        _SEEN.update(k for k, v in (("window", window), ("softcap", kwargs.get("softcap")),
+                                    ("sinks", kwargs.get("s_aux"))) if v is not None)
     # (B, H, s, D) -> (B, s, H, D), the layout the exchange and local backends use.
     out = core(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         document_ids=document_ids, scale=scaling, window=window, softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
     )
-    return out, None
+    # Contiguous, as transformers' own functions return it: some families .view() it (AFMoE,
+    # Dory), which the exchange's output (strided at sp 4) would fail.
+    return out.contiguous(), None

@@ -29,10 +29,8 @@ flash-linear-attention kernels (CUDA, packages installed) they run here too
 (untested here: no such packages in CI); packed documents always run the torch
 versions of :mod:`.gated_delta`.
 
-Other token mixers outside attention (Mamba / state-space layers, Lfm2 short
-convolutions, MiniMax lightning attention, recurrent blocks, gated delta-nets
-of families not listed in :data:`GATED_DELTA_NETS`) are refused by
-:func:`check_layer_types` and :func:`linear_attention_modules`.
+The other token mixers that run, and the checks that refuse the rest, are in
+:mod:`.hf_mixers`.
 """
 
 from __future__ import annotations
@@ -52,16 +50,9 @@ from ..documents import segment_ids
 from ..mesh import divisors
 from ..ulysses import _all_to_all, _heads_to_seq_local
 from .gated_delta import causal_conv_documents, chunk_gated_delta_rule_documents
-from .hf_attention import DOCUMENT_IDS_KWARG
+from .hf_attention import CallState, call_document_ids
 
-__all__ = [
-    "GATED_DELTA_NETS",
-    "LINEAR_LAYER_TYPE",
-    "UlyssesGatedDeltaNet",
-    "check_layer_types",
-    "has_gated_delta_nets",
-    "linear_attention_modules",
-]
+__all__ = ["GATED_DELTA_NETS", "LINEAR_LAYER_TYPE", "UlyssesGatedDeltaNet", "check_gated_delta_heads"]
 
 # The value of ``config.layer_types`` for gated delta-net layers.
 LINEAR_LAYER_TYPE = "linear_attention"
@@ -108,47 +99,12 @@ GATED_DELTA_NETS: dict[str, _DeltaNetParts] = {
 
 
 # ---------------------------------------------------------------------------
-# Checks: what runs, what is refused
+# Checks: sp must place the heads
 # ---------------------------------------------------------------------------
 
 
-def _gated_delta_nets(module: nn.Module) -> list[nn.Module]:
-    return [m for m in module.modules() if type(m).__name__ in GATED_DELTA_NETS]
-
-
-def has_gated_delta_nets(model: nn.Module) -> bool:
-    """Whether ``model`` has gated delta-net layers this module runs (their full
-    attention layers still go through transformers' attention registry)."""
-    return bool(_gated_delta_nets(model))
-
-
-def _conv_owners(module: nn.Module) -> list[str]:
-    """Class names of the modules owning a convolution: token mixers outside attention."""
-    return sorted({
-        type(m).__name__ for m in module.modules()
-        if any(isinstance(c, nn.Conv1d) for c in m.children())
-    })
-
-
-def check_layer_types(model: nn.Module, attention_types: tuple[str, ...]) -> None:
-    """Refuse layer types that mix tokens neither through attention (``attention_types``)
-    nor through a gated delta-net of :data:`GATED_DELTA_NETS`."""
-    name = type(model).__name__
-    types = list(getattr(model.config.get_text_config(), "layer_types", None) or ())
-    other = sorted(set(types) - set(attention_types))
-    linear = types.count(LINEAR_LAYER_TYPE)
-    if not other or (other == [LINEAR_LAYER_TYPE] and len(_gated_delta_nets(model)) == linear):
-        return
-    mixers = [c for c in _conv_owners(model) if c not in GATED_DELTA_NETS]
-    found = f" (token mixers with a convolution: {mixers})" if mixers else ""
-    raise ValueError(
-        f"{name} has layer types {other}{found}, which mix tokens outside transformers' attention "
-        f"registry or with masks Ulysses SP does not implement; supported: {list(attention_types)}, "
-        f"and {LINEAR_LAYER_TYPE!r} as the gated delta-nets {sorted(GATED_DELTA_NETS)}"
-    )
-
-
-def _check_heads(name: str, module: nn.Module, sp: int) -> None:
+def check_gated_delta_heads(name: str, module: nn.Module, sp: int) -> None:
+    """Refuse an sp that does not divide both head counts, naming the valid ones."""
     k_heads, v_heads = module.num_k_heads, module.num_v_heads
     if k_heads % sp == 0 and v_heads % sp == 0:
         return
@@ -158,26 +114,6 @@ def _check_heads(name: str, module: nn.Module, sp: int) -> None:
         f"linear_num_key_heads={k_heads} and linear_num_value_heads={v_heads} are not both "
         f"divisible by sp={sp}; valid sp: {valid}"
     )
-
-
-def linear_attention_modules(name: str, layers: nn.ModuleList, sp: int) -> list[nn.Module]:
-    """The gated delta-nets in ``layers`` (checked: sp places their heads), after
-    refusing any other module of the layers that owns a convolution (a token
-    mixer that would see only this rank's slice)."""
-    found = []
-    for layer in layers:
-        nets = _gated_delta_nets(layer)
-        others = [c for c in _conv_owners(layer) if c not in GATED_DELTA_NETS]
-        if others:
-            raise ValueError(
-                f"{name}: decoder layer {type(layer).__name__} holds {others}, a convolution over the "
-                f"sequence that Ulysses SP does not run; supported token mixers besides attention: "
-                f"{sorted(GATED_DELTA_NETS)}"
-            )
-        found += nets
-    for net in found:
-        _check_heads(name, net, sp)
-    return found
 
 
 # ---------------------------------------------------------------------------
@@ -220,6 +156,7 @@ def _ulysses_forward(
     parts: _DeltaNetParts,
     mesh: DeviceMesh,
     model_name: str,
+    call: CallState | None,
     hidden_states: Tensor,
     cache_params=None,
     attention_mask: Tensor | None = None,
@@ -258,7 +195,7 @@ def _ulysses_forward(
         bias = torch.cat([bias.narrow(0, s, w) for s, w in zip(starts, widths)])
     mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
 
-    documents = kwargs.get(DOCUMENT_IDS_KWARG)
+    documents = call_document_ids(kwargs, call)
     segments = None if documents is None else segment_ids(documents)
     own = sys.modules[type(module).__module__]  # transformers' functions (or the kernels it chose)
     if segments is None:
@@ -297,9 +234,10 @@ class UlyssesGatedDeltaNet(ParallelStyle):
     sp 1, where nothing is exchanged: packed documents still restart the state.
     """
 
-    def __init__(self, model_name: str = "model"):
+    def __init__(self, model_name: str = "model", call: CallState | None = None):
         super().__init__()
         self.model_name = model_name
+        self.call = call  # the model's per-call state (document ids when the model does not pass them down)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.ndim != 1:
@@ -310,9 +248,10 @@ class UlyssesGatedDeltaNet(ParallelStyle):
         kind = type(module).__name__
         if kind not in GATED_DELTA_NETS:
             raise ValueError(f"{self.model_name}: {kind} is not a supported gated delta-net; supported: {sorted(GATED_DELTA_NETS)}")
-        _check_heads(self.model_name, module, device_mesh.size())
+        check_gated_delta_heads(self.model_name, module, device_mesh.size())
         # An instance attribute: the class (and unsharded models of it) keep their forward.
-        module.forward = functools.partial(_ulysses_forward, module, GATED_DELTA_NETS[kind], device_mesh, self.model_name)
+        module.forward = functools.partial(_ulysses_forward, module, GATED_DELTA_NETS[kind], device_mesh,
+                                           self.model_name, self.call)
         return module
 
     def __repr__(self) -> str:

@@ -2,8 +2,8 @@
 
 transformers' ``*ForCausalLM.forward`` runs ``lm_head`` on the decoder's final
 hidden states and then, in some families, transforms the logits: Gemma's final
-soft-cap (``c * tanh(x / c)``), Cohere's ``logit_scale`` (multiply), Granite's
-``logits_scaling`` (divide). The trainer needs the head apart from the decoder
+soft-cap (``c * tanh(x / c)``), Cohere's ``logit_scale`` and Falcon-H1's
+``lm_head_multiplier`` (multiply), Granite's ``logits_scaling`` (divide). The trainer needs the head apart from the decoder
 (the evaluator reads logits a chunk at a time, the tiled loss computes them a
 chunk at a time inside the head's FSDP group), so it computes ``lm_head`` and
 the transforms itself:
@@ -64,6 +64,9 @@ def output_head_spec(config) -> OutputHeadSpec:
         scale = getattr(cfg, "logit_scale", None)  # Cohere, Cohere2: multiply
         if scale not in (None, 1, 1.0) and ("mul", float(scale)) not in ops:
             ops.append(("mul", float(scale)))
+        lm_mul = getattr(cfg, "lm_head_multiplier", None)  # Falcon-H1 (muP): multiply
+        if lm_mul not in (None, 1, 1.0) and ("mul", float(lm_mul)) not in ops:
+            ops.append(("mul", float(lm_mul)))
         div = getattr(cfg, "logits_scaling", None)  # Granite: divide
         if div not in (None, 1, 1.0) and ("div", float(div)) not in ops:
             ops.append(("div", float(div)))
@@ -89,8 +92,14 @@ class _DecoderOutput:
 
 
 class _DecoderStub(nn.Module):
-    def __init__(self, hidden: Tensor):
+    """The decoder, replaced by known hidden states; keeps the decoder's plain number
+    attributes, which some heads read (Falcon-H1's ``model.lm_head_multiplier``)."""
+
+    def __init__(self, hidden: Tensor, decoder: nn.Module):
         super().__init__()
+        for key, value in vars(decoder).items():
+            if not key.startswith("_") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                setattr(self, key, value)
         self.hidden = hidden
 
     def forward(self, *args, **kwargs):
@@ -156,7 +165,7 @@ def _check_output_head(model, name, base_name, head_name, head, forward) -> Outp
             probe.bias.copy_(torch.randn(probe.bias.shape, generator=gen))
         want = spec.apply(probe(hidden))
     saved = model._modules[base_name], model._modules[head_name]
-    model._modules[base_name], model._modules[head_name] = _DecoderStub(hidden), probe
+    model._modules[base_name], model._modules[head_name] = _DecoderStub(hidden, saved[0]), probe
     try:
         with torch.no_grad():
             out = forward(model, input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=False)

@@ -58,7 +58,15 @@ def init_non_persistent_buffers(model: nn.Module) -> None:
         tensor._is_hf_initialized = True
     for module in model.modules():
         module.__dict__.pop("_is_hf_initialized", None)
-    model.initialize_weights()
+    # FSDP renames the class (FSDP<Name>), which transformers takes for remote code, whose modules
+    # it skips once their own tensors look initialised: a buffer a PARENT initialises (Falcon-H1's
+    # Model sets each mixer's mup_vector) would keep to_empty's garbage. The model's code is
+    # transformers' own.
+    model.is_custom_code = lambda: False
+    try:
+        model.initialize_weights()
+    finally:
+        del model.is_custom_code
 
 
 def _local_part(full: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:

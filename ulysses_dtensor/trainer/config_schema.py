@@ -58,6 +58,10 @@ class Model:
         "Qwen2/2.5, Qwen3 checkpoints; every memory feature), transformers (transformers' own model "
         "class: any family the Ulysses integration runs), auto (native when it can load the "
         "checkpoint, else transformers)", ("auto", "native", "transformers"))
+    allow_untested: bool = _f(
+        False, "implementation transformers: run the family without checking it. By default a family must "
+        "pass the family matrix for the installed transformers (one it refused is refused with its reason); "
+        "one the matrix has not measured (newer than it) is checked at start on the run's own ranks")
     flavor: str = _f("debug", "model size, a key of ulysses_dtensor.models.llama.FLAVORS")
     attn_backend: str = _f(
         "auto", "local attention after the all-to-all (auto: sdpa on CPU, flash_attn/varlen on CUDA bf16)", BACKENDS

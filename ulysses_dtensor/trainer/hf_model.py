@@ -25,6 +25,11 @@ of its own that no forward gathers; it keeps its own bidirectional attention
 (never our causal exchange). The data path has no image inputs, and the
 integration refuses any.
 
+The family must pass the family matrix for the installed transformers (a refused
+one stops the run before anything starts); a family newer than the matrix is
+checked by ``parallelize_hf_model`` at start on the run's own ranks, and the
+banner says which (``model.allow_untested`` skips both, and says so).
+
 Everything that can be checked without a process group is checked by
 :func:`check_transformers_model` (``validate_config`` calls it): the model is
 built on ``meta`` and put through the integration's own structural checks and
@@ -172,7 +177,7 @@ def check_transformers_model(cfg, dims, *, weights: bool = True) -> None:
     mesh = (f"parallelism.sp={dims.sp}" + (f", parallelism.ring={dims.ring}" if dims.ring > 1 else "")
             + (f", parallelism.tp={dims.tp}" if dims.tp > 1 else ""))
     try:
-        layers, attentions, linear = _check_model(model, dims.ulysses, tp=dims.tp)
+        layers, attentions, linear = _check_model(model, dims.ulysses, cfg.model.allow_untested, tp=dims.tp)
         if dims.tp > 1:
             check_tp_model(model, layers, linear, dims.tp)
         # A backend named in the config that cannot express a layer's pattern
@@ -235,6 +240,7 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
         mlp_tiles=mem.mlp_tiles or None,
         offload_activations=mem.offload_activations,
         offload_params=mem.offload_params,
+        allow_untested=cfg.model.allow_untested,
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if mem.offload_params else device)

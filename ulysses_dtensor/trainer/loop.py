@@ -291,6 +291,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
         f"  implementation {_implementation_banner(cfg)}\n"
+        + _family_banner(model) +
         f"{_lora_banner(cfg, model, trained, n_params)}"
         f"  {data.banner(schedule, loader.source_tokens())}\n  {data.packing_banner()}\n  {data.loading_banner()}\n"
         f"{rope_banner(schedule, ropes) if ropes else '  rope: config.json of model.hf_path, every stage'}\n"
@@ -434,6 +435,13 @@ def _implementation_banner(cfg: JobConfig) -> str:
 
     impl = resolve_implementation(cfg)
     return f"{impl.name} ({impl.reason})"
+
+
+def _family_banner(model) -> str:
+    """The transformers family's standing (measured by the family matrix, verified at start,
+    or not checked: model.allow_untested); nothing for this package's Llama."""
+    status = getattr(model, "family_status", None)
+    return f"  family {status.banner()}\n" if status is not None else ""
 
 
 def _eval_banner(cfg: JobConfig, held_out) -> str:
