@@ -1,0 +1,101 @@
+"""The quick tier (`bash scripts/run_tests.sh -m quick`): every module once, in about a minute.
+
+For the inner loop. Each parity property runs at its smallest mesh (sp 2, or the
+smallest the property needs); the full suite (what CI runs) adds the larger meshes,
+the trainer trajectories, the planner searches, restarts and the benchmarks' smoke
+runs. conftest.py marks what is listed here `quick` and fails the collection when an
+entry names a test that no longer exists, so the list cannot rot silently.
+"""
+
+from __future__ import annotations
+
+# Files whose every test is quick (unit tests, single process, or one small mesh).
+WHOLE_FILES = {
+    "test_attention.py",
+    "test_attention_patterns.py",
+    "test_batch.py",
+    "test_config.py",
+    "test_cuda_calls_on_cpu.py",
+    "test_data.py",
+    "test_data_checks.py",
+    "test_data_mixture.py",
+    "test_data_packing.py",
+    "test_data_store.py",
+    "test_family_check.py",
+    "test_family_table.py",
+    "test_gpu_check.py",
+    "test_hf_causal_lm.py",
+    "test_hf_rope.py",
+    "test_llama.py",
+    "test_memory_features.py",
+    "test_norm.py",
+    "test_rope.py",
+    "test_schedule.py",
+    "test_sft_data.py",
+    "test_sft_training.py",
+    "test_sp_training.py",
+    "test_ssm_scan.py",
+    "test_tensor_parallel.py",
+}
+
+# From the larger files: the smallest mesh of each property, and the refusals.
+TESTS = {
+    "test_ulysses.py": [
+        "test_attention_parity_with_single_process[2]",
+        "test_exchange_is_minimal_all_to_all[2]",
+        "test_patterns_and_mla_through_the_exchange[2]",
+        "test_bad_input_raises_clear_errors",
+    ],
+    "test_parallelize.py": ["test_bad_options_are_clear_errors"],
+    "test_ring.py": ["test_trainer_losses_mesh_independent_with_ring"],
+    "test_hf_integration.py": ["test_unsupported_models_and_inputs_are_refused_by_name"],
+    "test_hf_memory.py": [
+        "test_what_the_ring_and_tiling_cannot_run_is_refused_by_name",
+        "test_usp_ring_matches_unsharded_for_causal_families",
+    ],
+    "test_hf_linear_attention.py": [
+        "test_gated_delta_restarts_equal_each_document_alone",
+        "test_other_hybrids_are_refused_by_class_and_layer_type",
+    ],
+    "test_hf_checkpoint.py": [
+        "test_hf_config_errors_name_the_value_and_what_is_supported",
+        "test_library_imports_without_the_hf_extra",
+        "test_logits_match_transformers_on_plain_rows_and_packed_documents",
+        "test_export_round_trip_every_family_and_our_own_flavor",
+    ],
+    "test_checkpoint.py": [
+        "test_kill_during_save_never_looks_complete",
+        "test_keep_latest_k_and_interval",
+        "test_incomplete_checkpoint_ignored",
+    ],
+    "test_lora.py": [
+        "test_refusals_name_the_key_and_what_is_valid",
+        "test_planner_counts_adapter_state_only_and_a_bf16_base",
+    ],
+    "test_trainer_transformers.py": [
+        "test_implementation_key_choices_and_refusals",
+        "test_memory_planner_traces_the_transformers_model",
+    ],
+    "test_torchtitan_plugin.py": ["test_configs_and_errors", "test_parity_sp2"],
+    "test_estimate.py": [
+        "test_dtensor_shape_propagation_is_not_counted",
+        "test_cli_reports_a_bad_config_clearly",
+    ],
+    "test_evaluation.py": [
+        "test_held_out_split_never_read_by_training",
+        "test_generators_exact_position_length_determinism",
+    ],
+    "test_eval_trainer.py": ["test_eval_config_errors"],
+    "test_metrics_mesh.py": ["test_throughput_formula"],
+    "test_family_matrix.py": [
+        "test_results_cover_the_installed_transformers",
+        "test_every_refused_family_is_refused_with_its_reason",
+    ],
+    "test_restarts.py": [
+        "test_comm_section_defaults_and_bad_values",
+        "test_lost_peer_line_names_step_phase_and_collective",
+        "test_restart_store_needs_the_variable_with_several_agents",
+        "test_resumed_metrics_replace_the_rows_after_the_checkpoint",
+    ],
+    "test_rope_training.py": ["test_shipped_context_extension_configs_validate"],
+}
