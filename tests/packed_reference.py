@@ -52,3 +52,21 @@ def reference_step(model, adamw, batch: dict, max_norm: float) -> dict:
     adamw.step()
     adamw.zero_grad()
     return {"loss": loss.item(), "grad_norm": norm.item()}
+
+
+def trainer_jobs(rank: int, world: int, jobs) -> None:
+    """Rank task: trainer runs one after another, each ``(argv, seed)``; a ``seed``
+    ``(src, dst)`` is a checkpoint folder rank 0 copies in before that run starts."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from ulysses_dtensor.trainer.config import load_config
+    from ulysses_dtensor.trainer.loop import train
+
+    for argv, seed in jobs:
+        if seed is not None:
+            if rank == 0:
+                shutil.copytree(*seed)
+            dist.barrier()
+        train(load_config(argv))

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from packed_reference import builtin_corpus_loader, packed_documents_loss
+from packed_reference import builtin_corpus_loader, packed_documents_loss, trainer_jobs
 
 pytest.importorskip("peft")
 REPO = Path(__file__).resolve().parents[1]
@@ -242,20 +242,6 @@ def test_recomputation_replays_lora_dropout(monkeypatch):
 # ---------------------------------------------------------------------------
 
 
-def _train_jobs(rank, world, jobs):
-    import torch.distributed as dist
-
-    from ulysses_dtensor.trainer.config import load_config
-    from ulysses_dtensor.trainer.loop import train
-
-    for argv, seed in jobs:
-        if seed is not None:
-            if rank == 0:
-                shutil.copytree(*seed)
-            dist.barrier()
-        train(load_config(argv))
-
-
 def _rows(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
@@ -295,7 +281,7 @@ def test_checkpoint_holds_adapters_resumes_on_another_mesh_and_exports(llama_dir
     full = _argv(llama_dir, tmp_path / "full", "transformers", (1, 2, 2), *saved, "--eval.interval", str(STEPS),
                  *evals)
     resumed = _argv(llama_dir, tmp_path / "resumed", "transformers", (1, 1, 4), *saved)
-    run_ranks(4, _train_jobs, [(full, None),
+    run_ranks(4, trainer_jobs, [(full, None),
                                (resumed, (tmp_path / "full" / "checkpoint" / "step-2",
                                           tmp_path / "resumed" / "checkpoint" / "step-2"))])
     a, b = _rows(tmp_path / "full"), _rows(tmp_path / "resumed")

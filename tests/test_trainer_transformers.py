@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from packed_reference import builtin_corpus_loader, reference_step, trainer_adamw
+from packed_reference import builtin_corpus_loader, reference_step, trainer_adamw, trainer_jobs
 from ulysses_dtensor.trainer.config import ConfigError, load_config, model_args, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,20 +67,6 @@ def _args(hf_dir, dump, *extra) -> list[str]:
 def _mesh(rep, shard, sp) -> list[str]:
     return ["--parallelism.dp_replicate", str(rep), "--parallelism.dp_shard", str(shard),
             "--parallelism.sp", str(sp)]
-
-
-def _jobs(rank, world, jobs):
-    """Trainer jobs one after the other; a job may first get a checkpoint copied in."""
-    import torch.distributed as dist
-
-    from ulysses_dtensor.trainer.loop import train
-
-    for argv, seed in jobs:
-        if seed is not None:
-            if rank == 0:
-                shutil.copytree(*seed)
-            dist.barrier()
-        train(load_config(argv))
 
 
 def _rows(path: Path) -> list[dict]:
@@ -125,7 +111,7 @@ def runs(moe_dir, tmp_path_factory):
     memory = _args(moe_dir, d / "memory", *_mesh(1, 1, 4), "--parallelism.ring", "2", "--activation_checkpoint.mode",
                    "full", "--memory.tiled_mlp", "true", "--memory.mlp_tiles", "3", "--memory.offload_activations",
                    "true", "--memory.offload_params", "true", "--checkpoint.enable", "false")
-    run_ranks(4, _jobs, [(sharded, None),
+    run_ranks(4, trainer_jobs, [(sharded, None),
                          (resumed, (d / "sharded" / "checkpoint" / "step-2", d / "resumed" / "checkpoint" / "step-2")),
                          (memory, None)])
     return d, held_out
