@@ -35,7 +35,6 @@ The other token mixers that run, and the checks that refuse the rest, are in
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -44,13 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..documents import segment_ids
 from ..mesh import divisors
 from ..ulysses import _all_to_all, _heads_to_seq_local
 from .gated_delta import causal_conv_documents, chunk_gated_delta_rule_documents
 from .hf_attention import CallState, call_document_ids
+from .mixer_style import UlyssesMixerStyle
 
 __all__ = ["GATED_DELTA_NETS", "LINEAR_LAYER_TYPE", "UlyssesGatedDeltaNet", "check_gated_delta_heads"]
 
@@ -222,7 +221,7 @@ def _ulysses_forward(
     return getattr(module, parts.out)(out.reshape(batch, seq, -1))
 
 
-class UlyssesGatedDeltaNet(ParallelStyle):
+class UlyssesGatedDeltaNet(UlyssesMixerStyle):
     """Ulysses SP for one gated delta-net module (a class of :data:`GATED_DELTA_NETS`).
 
     Apply on the 1-D sp mesh::
@@ -234,25 +233,9 @@ class UlyssesGatedDeltaNet(ParallelStyle):
     sp 1, where nothing is exchanged: packed documents still restart the state.
     """
 
-    def __init__(self, model_name: str = "model", call: CallState | None = None):
-        super().__init__()
-        self.model_name = model_name
-        self.call = call  # the model's per-call state (document ids when the model does not pass them down)
+    kind, classes = "gated delta-net", GATED_DELTA_NETS
+    check = staticmethod(check_gated_delta_heads)
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if device_mesh.ndim != 1:
-            raise ValueError(
-                f"UlyssesGatedDeltaNet must be applied on the 1-D sp mesh (mesh['sp']), got a "
-                f"{device_mesh.ndim}-D mesh with dims {device_mesh.mesh_dim_names}"
-            )
-        kind = type(module).__name__
-        if kind not in GATED_DELTA_NETS:
-            raise ValueError(f"{self.model_name}: {kind} is not a supported gated delta-net; supported: {sorted(GATED_DELTA_NETS)}")
-        check_gated_delta_heads(self.model_name, module, device_mesh.size())
-        # An instance attribute: the class (and unsharded models of it) keep their forward.
-        module.forward = functools.partial(_ulysses_forward, module, GATED_DELTA_NETS[kind], device_mesh,
-                                           self.model_name, self.call)
-        return module
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(model_name={self.model_name!r})"
+    @staticmethod
+    def forward_fn(module: nn.Module, mesh: DeviceMesh, model_name: str, call: CallState | None, *args, **kwargs):
+        return _ulysses_forward(module, GATED_DELTA_NETS[type(module).__name__], mesh, model_name, call, *args, **kwargs)

@@ -26,7 +26,6 @@ installed, are not used under SP).
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
@@ -34,13 +33,13 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..documents import segment_ids
 from ..mesh import divisors
 from ..ulysses import _heads_to_seq_local, _seq_to_heads_local
 from .gated_delta import causal_conv_documents
 from .hf_attention import CallState, call_document_ids
+from .mixer_style import UlyssesMixerStyle
 from .ssm_scan import selective_scan_documents, ssd_documents
 
 __all__ = ["MAMBA2_MIXERS", "MAMBA_MIXERS", "UlyssesMamba", "UlyssesMamba2", "check_mamba", "check_mamba2"]
@@ -221,44 +220,19 @@ def _mamba_forward(module: nn.Module, mesh: DeviceMesh, model_name: str, call: C
 # ---------------------------------------------------------------------------
 
 
-class _UlyssesMixer(ParallelStyle):
-    kind = ""
-    classes: frozenset = frozenset()
-
-    def __init__(self, model_name: str = "model", call: CallState | None = None):
-        super().__init__()
-        self.model_name = model_name
-        self.call = call  # the model's per-call state (document ids when the model does not pass them down)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if device_mesh.ndim != 1:
-            raise ValueError(f"{type(self).__name__} must be applied on the 1-D sp mesh (mesh['sp']), got a "
-                             f"{device_mesh.ndim}-D mesh with dims {device_mesh.mesh_dim_names}")
-        if type(module).__name__ not in self.classes:
-            raise ValueError(f"{self.model_name}: {type(module).__name__} is not a supported {self.kind} mixer; "
-                             f"supported: {sorted(self.classes)}")
-        self.check(self.model_name, module, device_mesh.size())
-        # An instance attribute: the class (and unsharded models of it) keep their forward.
-        module.forward = functools.partial(type(self).forward_fn, module, device_mesh, self.model_name, self.call)
-        return module
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(model_name={self.model_name!r})"
-
-
-class UlyssesMamba2(_UlyssesMixer):
+class UlyssesMamba2(UlyssesMixerStyle):
     """Ulysses SP for one Mamba-2 mixer (a class of :data:`MAMBA2_MIXERS`), on the 1-D sp mesh.
     The module then takes this rank's slice ``(B, S/P, hidden)`` and returns its slice of the
     output; parameters and their names are unchanged."""
 
-    kind, classes = "Mamba-2", MAMBA2_MIXERS
+    kind, classes = "Mamba-2 mixer", MAMBA2_MIXERS
     check = staticmethod(check_mamba2)
     forward_fn = staticmethod(_mamba2_forward)
 
 
-class UlyssesMamba(_UlyssesMixer):
+class UlyssesMamba(UlyssesMixerStyle):
     """Ulysses SP for one Mamba mixer (a class of :data:`MAMBA_MIXERS`), on the 1-D sp mesh."""
 
-    kind, classes = "Mamba", MAMBA_MIXERS
+    kind, classes = "Mamba mixer", MAMBA_MIXERS
     check = staticmethod(check_mamba)
     forward_fn = staticmethod(_mamba_forward)

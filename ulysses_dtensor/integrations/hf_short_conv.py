@@ -19,7 +19,8 @@ from ..mesh import divisors
 from ..ulysses import _heads_to_seq_local, _seq_to_heads_local
 from .gated_delta import causal_conv_documents
 from .hf_attention import CallState
-from .hf_mamba import _refuse_inputs, _segments, _UlyssesMixer
+from .hf_mamba import _refuse_inputs, _segments
+from .mixer_style import UlyssesMixerStyle
 
 __all__ = ["SHORT_CONVS", "UlyssesShortConv", "check_short_conv"]
 
@@ -54,10 +55,10 @@ def _short_conv_forward(module: nn.Module, mesh: DeviceMesh, model_name: str, ca
     return module.out_proj((c * y).contiguous())
 
 
-class UlyssesShortConv(_UlyssesMixer):
+class UlyssesShortConv(UlyssesMixerStyle):
     """Ulysses SP for one short-convolution layer (a class of :data:`SHORT_CONVS`), on the 1-D sp mesh."""
 
-    kind, classes = "short convolution", SHORT_CONVS
+    kind, classes = "short convolution mixer", SHORT_CONVS
     check = staticmethod(check_short_conv)
     forward_fn = staticmethod(_short_conv_forward)
 
