@@ -70,6 +70,16 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     def model(model_type):
         return family_matrix.tiny_model(family_matrix.tiny_config(model_type))
 
+    def refusal(model_type) -> str:
+        """The error parallelize_hf_model gives the family on a fresh sp 2 mesh, or "no error"."""
+        destroy_subgroups()
+        pmesh, _ = build_pmesh(world, (1, 1, 2))
+        try:
+            parallelize_hf_model(model(model_type), pmesh)
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
     with registry_restored():
         # Measured: the checked-in matrix says so.
         pmesh, _ = build_pmesh(world, (1, 1, 2))
@@ -91,13 +101,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
             forward = UlyssesCore.forward
             UlyssesCore.forward = lambda self, q, k, v, document_ids=None, **kw: forward(self, q, k, v, None, **kw)
             try:
-                destroy_subgroups()
-                pmesh, _ = build_pmesh(world, (1, 1, 2))
-                try:
-                    parallelize_hf_model(model("olmo3"), pmesh)
-                    out["broken"] = "no error"
-                except ValueError as e:
-                    out["broken"] = str(e)
+                out["broken"] = refusal("olmo3")
             finally:
                 UlyssesCore.forward = forward
             destroy_subgroups()
@@ -107,13 +111,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
         failed = {"transformers": version, "families": {"llama": {
             "status": "fail", "category": "decoder", "reason": "sp 2: loss rel. err. 3.0e-03, gradient 1.0e+00"}}}
         with _results(failed, path):
-            destroy_subgroups()
-            pmesh, _ = build_pmesh(world, (1, 1, 2))
-            try:
-                parallelize_hf_model(model("llama"), pmesh)
-                out["failed"] = "no error"
-            except ValueError as e:
-                out["failed"] = str(e)
+            out["failed"] = refusal("llama")
     return out
 
 
