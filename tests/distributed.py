@@ -53,21 +53,21 @@ def destroy_subgroups() -> None:
     together: each gloo group holds sockets and threads in every rank. A task that builds
     many meshes calls this between them (nothing of the old meshes may be used after)."""
     dist.barrier()
+    _destroy_groups_but_world()
+
+
+def _destroy_groups_but_world() -> None:
     world = dist.group.WORLD
     for pg in list(dist.distributed_c10d._world.pg_map):
         if pg is not world:
             dist.destroy_process_group(pg)
-    _free_destroyed_groups()
-    _clear_sharding_cache()
-
-
-def _free_destroyed_groups() -> None:
     # destroy_process_group only unregisters a group: its sockets and threads go
     # when the object is freed, and the task's modules (FSDP state, meshes) hold
     # it in reference cycles that only a full collection breaks. Left to gc's own
     # schedule, hundreds of dead groups piled up per rank, their loops spinning
     # on sockets the peers had closed (load averages over 100 on 2 cores).
     gc.collect()
+    _clear_sharding_cache()
 
 
 def _gloo_loops() -> int:
@@ -100,13 +100,8 @@ def _clear_sharding_cache() -> None:
 def _reset_between_tasks() -> None:
     # Sub-groups of the finished task (meshes) would otherwise accumulate:
     # every group holds sockets and threads in every rank.
-    world = dist.group.WORLD
-    for pg in list(dist.distributed_c10d._world.pg_map):
-        if pg is not world:
-            dist.destroy_process_group(pg)
-    _free_destroyed_groups()
+    _destroy_groups_but_world()
     torch._dynamo.reset()
-    _clear_sharding_cache()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(1)
