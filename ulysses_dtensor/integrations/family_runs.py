@@ -60,7 +60,7 @@ def structure(model_type: str, sp: int = 2) -> dict:
         return {**info, "status": "refused", "reason": f"does not build: {type(e).__name__}: {e}"[:300]}
     info["class"] = _class_name(model)
     try:
-        _, _, mixers = _check_model(model, sp, allow_untested=True)
+        _, _, mixers, _ = _check_model(model, sp, allow_untested=True)
     except (ValueError, TypeError) as e:
         return {**info, "status": "refused", "reason": str(e)}
     text = config.get_text_config()

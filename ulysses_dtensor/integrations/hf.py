@@ -59,6 +59,7 @@ from .hf_attention import (
     ulysses_attention_forward,
 )
 from .family_check import verify_at_start
+from .family_results import FamilyStatus
 from .hf_families import check_known_family, decoder_layers, is_attention_module, text_config_key
 from .hf_mixers import PER_TOKEN_LAYER_TYPES, check_layer_types, has_token_mixers, token_mixer_modules
 from .hf_memory import lean_norms, norm_formula as _norm_formula, per_token_blocks, per_token_width, tile_per_token_blocks
@@ -173,8 +174,7 @@ def parallelize_hf_model(
     name = type(model).__name__
     ring = getattr(pmesh.dims, "ring", 1)
     tp = getattr(pmesh.dims, "tp", 1)
-    layers, attentions, linear = _check_model(model, pmesh.dims.ulysses, allow_untested, tp)
-    status = check_known_family(model, allow_untested)
+    layers, attentions, linear, status = _check_model(model, pmesh.dims.ulysses, allow_untested, tp)
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
     every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
@@ -274,10 +274,11 @@ def _valid_tokens(batch: int, seq: int, *, call: CallState, sp: int, sp_rank: in
 
 def _check_model(
     model: nn.Module, sp: int, allow_untested: bool = False, tp: int = 1
-) -> tuple[nn.ModuleList, list[nn.Module], list[nn.Module]]:
+) -> tuple[nn.ModuleList, list[nn.Module], list[tuple], FamilyStatus]:
     """Refuse what Ulysses attention (``sp``: the ulysses degree) cannot run correctly,
     with ``tp`` ranks splitting the heads first; return the decoder layers, the
-    attention modules and the other token mixers (module, :class:`~.hf_mixers.TokenMixer`) in them."""
+    attention modules, the other token mixers (module, :class:`~.hf_mixers.TokenMixer`) in
+    them and the family's status (:func:`~.hf_families.check_known_family`)."""
     try:
         from transformers import PreTrainedModel
     except ImportError as e:  # pragma: no cover - the hf extra is absent
@@ -339,8 +340,8 @@ def _check_model(
     for attn in attentions:
         if not getattr(attn, "is_causal", True):
             raise ValueError(f"{name}: {type(attn).__name__} is not causal; only causal attention is supported")
-    check_known_family(model, allow_untested)  # a family the matrix refused, refused before anything runs
-    return layers, attentions, linear
+    status = check_known_family(model, allow_untested)  # a family the matrix refused, refused before anything runs
+    return layers, attentions, linear, status
 
 
 def check_tp_model(model: nn.Module, layers: nn.ModuleList, linear: list[tuple], tp: int) -> dict[str, str]:

@@ -177,7 +177,7 @@ def check_transformers_model(cfg, dims, *, weights: bool = True) -> None:
     mesh = (f"parallelism.sp={dims.sp}" + (f", parallelism.ring={dims.ring}" if dims.ring > 1 else "")
             + (f", parallelism.tp={dims.tp}" if dims.tp > 1 else ""))
     try:
-        layers, attentions, linear = _check_model(model, dims.ulysses, cfg.model.allow_untested, tp=dims.tp)
+        layers, attentions, linear, _ = _check_model(model, dims.ulysses, cfg.model.allow_untested, tp=dims.tp)
         if dims.tp > 1:
             check_tp_model(model, layers, linear, dims.tp)
         # A backend named in the config that cannot express a layer's pattern
