@@ -43,7 +43,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ulysses_dtensor.runtime import exit_process, finish_together, process_group_backend
+from ulysses_dtensor.runtime.process_group import (
+    exit_process,
+    finish_together,
+    process_group_backend,
+)
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=600)
 
@@ -343,7 +347,7 @@ class C10dCounter(TorchDispatchMode):
     ``torch.distributed.all_to_all_single(out, inp)`` dispatches to
     ``c10d::alltoall_base_(out, inp, group, ...)``; the bytes are ``inp``'s.
     Functional collectives (``_c10d_functional``) are left to
-    ``ulysses_dtensor.comm_stats.CollectiveCounter``.
+    ``ulysses_dtensor.parallel.comm_stats.CollectiveCounter``.
     """
 
     records: list[C10dRecord] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """The all-to-all share of step time in ``bench_train.py`` records, and the side-by-side record.
 
 ``exchange_record``: per timed step, rank 0's time in the Ulysses exchanges
-(:class:`ulysses_dtensor.comm_timing.ExchangeTimer`: CUDA events, or wall clock
+(:class:`ulysses_dtensor.parallel.comm_timing.ExchangeTimer`: CUDA events, or wall clock
 on CPU) and its share of that rank's step time. ``compare_record`` (``--compare``):
 the configurations of one run side by side.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import statistics
 
+import _common as C
 import torch
 import torch.distributed as dist
 
-import _common as C
-from ulysses_dtensor.comm_timing import ExchangeTimer
+from ulysses_dtensor.parallel.comm_timing import ExchangeTimer
 
 
 def exchange_record(timers: list[ExchangeTimer], local_times: list[float], device: torch.device) -> dict:

@@ -52,10 +52,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
 
-from ulysses_dtensor import ulysses as U  # noqa: E402
 from ulysses_dtensor.attention import local_attention  # noqa: E402
-from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
-from ulysses_dtensor.runtime import finish_together  # noqa: E402
+from ulysses_dtensor.parallel import ulysses as U  # noqa: E402
+from ulysses_dtensor.parallel.comm_stats import CollectiveCounter  # noqa: E402
+from ulysses_dtensor.runtime.process_group import finish_together  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUICK = {"sp": [1, 2], "seq": [256], "heads": [4], "kv_heads": [1], "head_dim": [16], "warmup": 1, "iters": 3}
@@ -272,7 +272,7 @@ def _reference(a, gq, gk, gv, gg, sl, device):
 
 
 def worker(rank, sp, device, report, a, use_ds):
-    from ulysses_dtensor.mesh import ParallelDims
+    from ulysses_dtensor.parallel.mesh import ParallelDims
 
     mesh = ParallelDims(sp=sp, world_size=sp).build_mesh(device.type).sp
     ds_group = None

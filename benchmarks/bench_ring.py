@@ -38,12 +38,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as C  # noqa: E402
 
 from ulysses_dtensor.attention import LocalAttention, local_attention  # noqa: E402
-from ulysses_dtensor.batch import shard_batch  # noqa: E402
-from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
-from ulysses_dtensor.mesh import ParallelDims  # noqa: E402
-from ulysses_dtensor.ring import RingAttention, layout_indices, ring_bytes_per_rank, usp_bytes_per_rank  # noqa: E402
-from ulysses_dtensor.runtime import finish_together  # noqa: E402
-from ulysses_dtensor.ulysses import UlyssesAttention, kv_replication  # noqa: E402
+from ulysses_dtensor.parallel.batch import shard_batch  # noqa: E402
+from ulysses_dtensor.parallel.comm_stats import CollectiveCounter  # noqa: E402
+from ulysses_dtensor.parallel.mesh import ParallelDims  # noqa: E402
+from ulysses_dtensor.parallel.ring import (  # noqa: E402
+    RingAttention,
+    layout_indices,
+    ring_bytes_per_rank,
+    usp_bytes_per_rank,
+)
+from ulysses_dtensor.parallel.ulysses import UlyssesAttention, kv_replication  # noqa: E402
+from ulysses_dtensor.runtime.process_group import finish_together  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUICK = {"ring": [2], "ulysses": [1], "seq": [256], "heads": [4], "kv_heads": [2], "head_dim": [16],
@@ -176,7 +181,7 @@ def run_shape(a, shape, pmesh, device) -> dict:
 
 def _transfers(mesh, k_local, ulysses, kv, heads):
     """The ring's own transfers of one forward + backward, nothing else (sizes as the layer's)."""
-    from ulysses_dtensor.ring import _send_to_next, _wait
+    from ulysses_dtensor.parallel.ring import _send_to_next, _wait
 
     ring, rank = mesh.size(), mesh.get_local_rank()
     b, s_local, _, d = k_local.shape

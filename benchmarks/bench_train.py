@@ -68,16 +68,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as C  # noqa: E402
 from _exchange import compare_record, exchange_record  # noqa: E402
 
-from ulysses_dtensor.batch import shard_batch  # noqa: E402
-from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
-from ulysses_dtensor.comm_timing import ExchangeTimer  # noqa: E402
-from ulysses_dtensor.loss import count_valid_tokens  # noqa: E402
-from ulysses_dtensor.mesh import ParallelDims  # noqa: E402
 from ulysses_dtensor.models.llama import Llama, llama_args  # noqa: E402
-from ulysses_dtensor.parallelize import parallelize_llama  # noqa: E402
-from ulysses_dtensor.runtime import finish_together  # noqa: E402
+from ulysses_dtensor.models.llama_parallelize import parallelize_llama  # noqa: E402
+from ulysses_dtensor.parallel.batch import shard_batch  # noqa: E402
+from ulysses_dtensor.parallel.comm_stats import CollectiveCounter  # noqa: E402
+from ulysses_dtensor.parallel.comm_timing import ExchangeTimer  # noqa: E402
+from ulysses_dtensor.parallel.loss import count_valid_tokens  # noqa: E402
+from ulysses_dtensor.parallel.mesh import ParallelDims  # noqa: E402
+from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank  # noqa: E402
+from ulysses_dtensor.runtime.process_group import finish_together  # noqa: E402
 from ulysses_dtensor.trainer.step import train_step  # noqa: E402
-from ulysses_dtensor.ulysses import exchange_bytes_per_rank  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

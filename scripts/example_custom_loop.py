@@ -26,7 +26,7 @@ from ulysses_dtensor import (
     sp_cross_entropy,
 )
 from ulysses_dtensor.models.llama import Llama, llama_args
-from ulysses_dtensor.runtime import exit_process, finish_together
+from ulysses_dtensor.runtime.process_group import exit_process, finish_together
 
 
 def synthetic_batch(step, batch_size, seq_len, vocab, dp_rank):
@@ -113,4 +113,4 @@ def train(args, device):
 
 if __name__ == "__main__":
     main()
-    exit_process(0)  # a finished rank skips interpreter teardown (see ulysses_dtensor.runtime)
+    exit_process(0)  # a finished rank skips interpreter teardown (see ulysses_dtensor.runtime.process_group)

@@ -31,10 +31,16 @@ import torch
 import torch.distributed as dist
 
 from ulysses_dtensor import ParallelDims, clip_grad_norm_, global_loss, sp_cross_entropy
-from ulysses_dtensor.data import ByteTokenizer, HFTokenizer, PackedLoader, TokenStream, build_source
+from ulysses_dtensor.data import (
+    ByteTokenizer,
+    HFTokenizer,
+    PackedLoader,
+    TokenStream,
+    build_source,
+)
 from ulysses_dtensor.integrations.hf import parallelize_hf_model, shard_hf_batch
 from ulysses_dtensor.integrations.hf_checkpoint import load_hf_weights, save_hf_weights
-from ulysses_dtensor.runtime import exit_process, finish_together
+from ulysses_dtensor.runtime.process_group import exit_process, finish_together
 
 
 def make_tiny_model(path):
@@ -153,4 +159,4 @@ def train(args, device) -> dict:
 
 if __name__ == "__main__":
     main()
-    exit_process(0)  # a finished rank skips interpreter teardown (see ulysses_dtensor.runtime)
+    exit_process(0)  # a finished rank skips interpreter teardown (see ulysses_dtensor.runtime.process_group)

@@ -11,7 +11,7 @@
 # dependencies. Environment: PYTHON (interpreter), NPROC (ranks), MAX_RESTARTS
 # (0): how often torchrun restarts the ranks after one fails; each restart resumes
 # from the newest complete checkpoint (the trainer keys its process group's start
-# on the attempt, see ulysses_dtensor/restarts.py).
+# on the attempt, see ulysses_dtensor/runtime/restarts.py).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_python_env.sh"
 cd "$ROOT"

@@ -129,10 +129,10 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
             results.put((rank, False, traceback.format_exc(), True))
             break
     # The queue hands reports to a feeder thread: flush it before leaving. A
-    # finished rank then skips interpreter teardown (ulysses_dtensor.runtime.exit_process).
+    # finished rank then skips interpreter teardown (ulysses_dtensor.runtime.process_group.exit_process).
     results.close()
     results.join_thread()
-    from ulysses_dtensor.runtime import exit_process
+    from ulysses_dtensor.runtime.process_group import exit_process
 
     exit_process(0)
 
@@ -143,7 +143,7 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
 # package is skipped. torchtitan imports pyarrow, whose jemalloc would start a
 # background thread: conftest.py turns that thread off (JE_ARROW_MALLOC_CONF).
 PRELOAD = [
-    "torch", "torch.distributed", "ulysses_dtensor.parallelize", "torch._functorch.aot_autograd",
+    "torch", "torch.distributed", "ulysses_dtensor.models.llama_parallelize", "torch._functorch.aot_autograd",
     "torch._inductor.compile_fx", "transformers", "transformers.modeling_utils",
     "ulysses_dtensor.integrations.hf", "ulysses_dtensor.trainer.loop", "matplotlib.pyplot",
     "torchtitan.train",

@@ -15,8 +15,6 @@ import pytest
 import torch
 
 from ulysses_dtensor import attention as A
-from ulysses_dtensor import documents as D
-from ulysses_dtensor.attention import select as S
 from ulysses_dtensor.attention import (
     BACKENDS,
     LocalAttention,
@@ -26,6 +24,8 @@ from ulysses_dtensor.attention import (
     document_ids_from_position_ids,
     local_attention,
 )
+from ulysses_dtensor.attention import select as S
+from ulysses_dtensor.parallel import documents as D
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

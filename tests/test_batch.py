@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ulysses_dtensor.batch import shard_batch
-from ulysses_dtensor.loss import IGNORE_INDEX
+from ulysses_dtensor.parallel.batch import shard_batch
+from ulysses_dtensor.parallel.loss import IGNORE_INDEX
 
 
 def _packed_batch():

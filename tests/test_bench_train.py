@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from ulysses_dtensor.models.llama import Llama, llama_args
-from ulysses_dtensor.ulysses import exchange_bytes_per_rank
+from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_train.py")

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from ulysses_dtensor.ulysses import exchange_bytes_per_rank
+from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_attention.py")

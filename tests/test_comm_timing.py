@@ -16,18 +16,17 @@ import statistics
 import time
 
 import torch
-
 from distributed import run_ranks
 
 SEQ, STEPS = 1024, 5
 
 
 def _build(world: int, sp: int):
-    from ulysses_dtensor.batch import shard_batch
-    from ulysses_dtensor.loss import count_valid_tokens
-    from ulysses_dtensor.mesh import ParallelDims
     from ulysses_dtensor.models.llama import Llama, llama_args
-    from ulysses_dtensor.parallelize import parallelize_llama
+    from ulysses_dtensor.models.llama_parallelize import parallelize_llama
+    from ulysses_dtensor.parallel.batch import shard_batch
+    from ulysses_dtensor.parallel.loss import count_valid_tokens
+    from ulysses_dtensor.parallel.mesh import ParallelDims
 
     pmesh = ParallelDims(1, -1, sp, world_size=world).build_mesh("cpu")
     with torch.device("meta"):
@@ -44,7 +43,7 @@ def _build(world: int, sp: int):
 def _share_worker(rank, world):
     import torch.distributed as dist
 
-    from ulysses_dtensor.comm_timing import ExchangeTimer, active_timer
+    from ulysses_dtensor.parallel.comm_timing import ExchangeTimer, active_timer
     from ulysses_dtensor.trainer.step import train_step
 
     setups = {sp: _build(world, sp) for sp in (1, 2, 4)}

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from ulysses_dtensor.schedule import Stage
 from ulysses_dtensor.trainer.config import (
-    inactive_settings,
     ConfigError,
     JobConfig,
     config_help,
+    inactive_settings,
     load_config,
     parse_config,
     validate_config,
 )
+from ulysses_dtensor.trainer.schedule import Stage
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,21 +16,21 @@ from __future__ import annotations
 
 import warnings
 
+import cuda_kernel_shims as shims
 import pytest
 import torch
+from test_attention import docs_from_lengths, make_qkv, reference_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import cuda_kernel_shims as shims
-from test_attention import docs_from_lengths, make_qkv, reference_attention
-from ulysses_dtensor import documents as D
-from ulysses_dtensor import ring as R
-from ulysses_dtensor import ring_kernels as K
 from ulysses_dtensor.attention import flex, local_attention
 from ulysses_dtensor.attention.pattern import Pattern
 from ulysses_dtensor.attention.select import kernel_refusal, resolve_backend
-from ulysses_dtensor.documents import cu_seqlens_from_document_ids
-from ulysses_dtensor.ring import layout_indices
-from ulysses_dtensor.ring_kernels import PairKernel, kernel_for
+from ulysses_dtensor.parallel import documents as D
+from ulysses_dtensor.parallel import ring as R
+from ulysses_dtensor.parallel import ring_kernels as K
+from ulysses_dtensor.parallel.documents import cu_seqlens_from_document_ids
+from ulysses_dtensor.parallel.ring import layout_indices
+from ulysses_dtensor.parallel.ring_kernels import PairKernel, kernel_for
 
 BF16, FP32 = torch.bfloat16, torch.float32
 CUDA = torch.device("cuda")

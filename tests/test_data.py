@@ -5,11 +5,9 @@ import json
 import sys
 
 import numpy as np
-
 import pytest
 import torch
 
-from ulysses_dtensor.batch import shard_batch
 from ulysses_dtensor.data import (
     ByteTokenizer,
     FileCorpus,
@@ -20,6 +18,7 @@ from ulysses_dtensor.data import (
     build_tokenizer,
     padded_vocab_size,
 )
+from ulysses_dtensor.parallel.batch import shard_batch
 
 
 class ListSource:

@@ -6,10 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
-
 from distributed import run_ranks
+
 from ulysses_dtensor.data import ByteTokenizer, FileCorpus, StdlibCorpus
-from ulysses_dtensor.data_checks import DataError, check_corpus
+from ulysses_dtensor.data.checks import DataError, check_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from ulysses_dtensor.batch import shard_batch
 from ulysses_dtensor.data import DataError, PackedLoader, TokenStream
 from ulysses_dtensor.data.bestfit import best_fit_decreasing
 from ulysses_dtensor.data.token_docs import TokenDocs
-from ulysses_dtensor.loss import IGNORE_INDEX
+from ulysses_dtensor.parallel.batch import shard_batch
+from ulysses_dtensor.parallel.loss import IGNORE_INDEX
 
 
 class Samples(TokenDocs):

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from eval_helpers import build_bpe_tokenizer
+
 from ulysses_dtensor.data import (
     ByteTokenizer,
     DataError,
@@ -260,7 +260,7 @@ def test_per_stage_weights_and_upsampling_checked(byte_store):
 def test_held_out_split_of_a_store(byte_store):
     """eval.holdout_fraction on a store: a split by document, training never reads a
     held-out document, and the held-out side gives the evaluation's rows."""
-    from ulysses_dtensor.data_checks import check_corpus
+    from ulysses_dtensor.data.checks import check_corpus
     from ulysses_dtensor.evaluation.heldout import split_held_out
 
     store = TokenStore(byte_store)

@@ -20,12 +20,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
+from script_module import load_script
 
 from ulysses_dtensor.estimate import GIB, find_max_seq_len, plan_memory
 from ulysses_dtensor.trainer.config import load_config
-
-from distributed import run_ranks
-from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,9 +152,9 @@ def measure_real_steps(cases: list, world: int, allocator: bool = True, tracker:
 
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from ulysses_dtensor.loss import count_valid_tokens
+    from ulysses_dtensor.parallel.loss import count_valid_tokens
+    from ulysses_dtensor.trainer.build import build_model
     from ulysses_dtensor.trainer.config import validate_config
-    from ulysses_dtensor.trainer.loop import build_model
     from ulysses_dtensor.trainer.step import build_optimizer, train_step
 
     log = _AllocatorLog() if allocator else contextlib.nullcontext()

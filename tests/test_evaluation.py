@@ -18,15 +18,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from distributed import run_ranks
 from eval_helpers import build_bpe_tokenizer, write_held_out
-from ulysses_dtensor.data import ByteTokenizer, FileCorpus, HFTokenizer, StdlibCorpus, TokenStream
+
+from ulysses_dtensor.data import (
+    ByteTokenizer,
+    FileCorpus,
+    HFTokenizer,
+    StdlibCorpus,
+    TokenStream,
+)
 from ulysses_dtensor.evaluation.heldout import split_held_out
 from ulysses_dtensor.evaluation.position_loss import BucketSums, bucket_edges
-from ulysses_dtensor.evaluation.runner import Evaluator, EvalSpec
+from ulysses_dtensor.evaluation.runner import EvalSpec, Evaluator
 from ulysses_dtensor.evaluation.scoring import teacher_forced_score
-from ulysses_dtensor.evaluation.tasks import _INSTRUCTIONS, RETRIEVAL_TASKS, SampleGenerator, depth_grid
+from ulysses_dtensor.evaluation.tasks import (
+    _INSTRUCTIONS,
+    RETRIEVAL_TASKS,
+    SampleGenerator,
+    depth_grid,
+)
 
 LENGTHS = [256, 259]  # 259: not a multiple of 2 or 4
 # vartrack shares the scoring path of these two and needs ~330 tokens with the test tokenizer.
@@ -156,7 +167,7 @@ def test_held_out_split_never_read_by_training():
 
 def _model(pmesh, vocab: int, features: bool):
     from ulysses_dtensor.models.llama import Llama, llama_args
-    from ulysses_dtensor.parallelize import parallelize_llama
+    from ulysses_dtensor.models.llama_parallelize import parallelize_llama
 
     with torch.device("meta"):
         model = Llama(llama_args("debug", vocab_size=vocab))
@@ -178,7 +189,7 @@ def _evaluate(pmesh, files, features=False, loss_chunks=None):
 
 
 def _eval_worker(rank, world, meshes, files):
-    from ulysses_dtensor.mesh import ParallelDims
+    from ulysses_dtensor.parallel.mesh import ParallelDims
 
     out = []
     for rep, shard, sp, features, ring in meshes:

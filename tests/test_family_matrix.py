@@ -210,7 +210,7 @@ def test_every_refused_family_is_refused_with_its_reason():
     from ulysses_dtensor.integrations import family_matrix
     from ulysses_dtensor.integrations.hf import parallelize_hf_model
     from ulysses_dtensor.integrations.hf_families import check_known_family
-    from ulysses_dtensor.mesh import ParallelDims
+    from ulysses_dtensor.parallel.mesh import ParallelDims
 
     families = _results()["families"]
     problems = []
@@ -278,7 +278,6 @@ def _extra_worker(rank: int, world: int, refs: dict):
     import time
 
     import transformers
-
     from distributed import destroy_subgroups
 
     transformers.logging.set_verbosity_error()

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_gpu_event_timer_reads_span_time():
-    from ulysses_dtensor.comm_timing import ExchangeTimer
+    from ulysses_dtensor.parallel.comm_timing import ExchangeTimer
 
     timer = ExchangeTimer("cuda")
     x = torch.randn(2048, 2048, device="cuda")
@@ -32,12 +32,12 @@ def test_gpu_eval_memory_within_a_training_step(tmp_path):
     import torch.distributed as dist
 
     from ulysses_dtensor.data import ByteTokenizer, FileCorpus
-    from ulysses_dtensor.evaluation.runner import Evaluator, EvalSpec
-    from ulysses_dtensor.loss import count_valid_tokens
-    from ulysses_dtensor.batch import shard_batch
-    from ulysses_dtensor.mesh import ParallelDims
+    from ulysses_dtensor.evaluation.runner import EvalSpec, Evaluator
     from ulysses_dtensor.models.llama import Llama, llama_args
-    from ulysses_dtensor.parallelize import parallelize_llama
+    from ulysses_dtensor.models.llama_parallelize import parallelize_llama
+    from ulysses_dtensor.parallel.batch import shard_batch
+    from ulysses_dtensor.parallel.loss import count_valid_tokens
+    from ulysses_dtensor.parallel.mesh import ParallelDims
     from ulysses_dtensor.trainer.step import train_step
 
     seq = 16384

@@ -133,7 +133,7 @@ def test_weights_load_through_transformers_conversions(family, tmp_path):
 
 
 def test_loading_the_wrong_directory_names_what_does_not_fit(tmp_path):
-    from ulysses_dtensor.models.hf_checkpoint import HFCheckpointError
+    from ulysses_dtensor.models.llama_checkpoint import HFCheckpointError
 
     _model(LAYOUTS["mixtral"]).save_pretrained(tmp_path)
     other = transformers.MixtralConfig(**{**COMMON, "num_hidden_layers": 3}, num_local_experts=4)

@@ -33,25 +33,30 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed import run_ranks
 from transformers_strict import no_transformers_warnings
-from ulysses_dtensor.batch import shard_batch
-from ulysses_dtensor.loss import count_valid_tokens, global_loss
-from ulysses_dtensor.mesh import ParallelDims
-from ulysses_dtensor.models.hf_checkpoint import (
+
+from ulysses_dtensor.models.llama import Llama, llama_args
+from ulysses_dtensor.models.llama_checkpoint import (
     HFCheckpointError,
     args_from_hf_config,
     hf_names,
     load_hf_weights,
     read_hf_config,
 )
-from ulysses_dtensor.models.llama import Llama, llama_args
-
+from ulysses_dtensor.parallel.batch import shard_batch
+from ulysses_dtensor.parallel.loss import count_valid_tokens, global_loss
+from ulysses_dtensor.parallel.mesh import ParallelDims
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from make_tiny_hf_model import FAMILIES, hf_config, hf_model, save_tokenizer, train_tokenizer  # noqa: E402
+from make_tiny_hf_model import (  # noqa: E402
+    FAMILIES,
+    hf_config,
+    hf_model,
+    save_tokenizer,
+    train_tokenizer,
+)
 
 VOCAB, SEQ = 320, 24
 LOGIT_TOL = 1e-5
@@ -196,7 +201,7 @@ def _local_slice(param, full):
 def _sp_parity_task(rank, world, dirs: dict, refs: dict) -> dict:
     import torch.distributed as dist
 
-    from ulysses_dtensor.parallelize import parallelize_llama
+    from ulysses_dtensor.models.llama_parallelize import parallelize_llama
 
     batch = packed_batch()
     figures = {}
@@ -253,7 +258,7 @@ def _rss_kib(field: str) -> int:
 
 
 def _load_memory_task(rank, world, path: str) -> dict:
-    from ulysses_dtensor.parallelize import parallelize_llama
+    from ulysses_dtensor.models.llama_parallelize import parallelize_llama
 
     args = llama_args("debug", **BIG, rope_layout="half")
     pmesh = ParallelDims(dp_shard=world).build_mesh("cpu")
@@ -408,7 +413,7 @@ def _trainer_task(rank, world, hf_dir: str, dump: str, resumed: str) -> dict:
 
 
 def test_trainer_from_hf_dir_resumes_and_exports(families, tmp_path):
-    from ulysses_dtensor.models.hf_checkpoint import quiet_single_process
+    from ulysses_dtensor.models.llama_checkpoint import quiet_single_process
 
     # Qwen2 (q/k/v bias, tied embeddings) with a BPE tokenizer.
     src, hf, _ = families["qwen2"]
@@ -452,7 +457,12 @@ def test_trainer_from_hf_dir_resumes_and_exports(families, tmp_path):
 
 def test_trainer_config_with_hf_path(families, tmp_path):
     from ulysses_dtensor.trainer.config import (
-        ConfigError, inactive_settings, load_config, model_args, validate_config)
+        ConfigError,
+        inactive_settings,
+        load_config,
+        model_args,
+        validate_config,
+    )
     from ulysses_dtensor.trainer.hf_start import tokenizer_spec
 
     hf_dir = str(families["qwen3"][0])
@@ -538,7 +548,7 @@ def test_library_imports_without_the_hf_extra():
             sys.modules[name] = None  # `import name` raises ImportError
         importlib.import_module("ulysses_dtensor.trainer.loop")
         importlib.import_module("ulysses_dtensor.export")
-        hf = importlib.import_module("ulysses_dtensor.models.hf_checkpoint")
+        hf = importlib.import_module("ulysses_dtensor.models.llama_checkpoint")
         with pytest.raises(ImportError, match=r"pip install 'ulysses-dtensor\[hf\]'"):
             hf.load_hf_weights(None, ".")
     finally:  # the originals back, the fresh copies gone

@@ -44,10 +44,15 @@ from script_module import load_script  # noqa: E402
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
-from ulysses_dtensor.loss import IGNORE_INDEX, count_valid_tokens, global_loss, sp_cross_entropy  # noqa: E402
-from ulysses_dtensor.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMesh  # noqa: E402
-from ulysses_dtensor.ulysses import exchange_bytes_per_rank  # noqa: E402
+from ulysses_dtensor.parallel.comm_stats import CollectiveCounter  # noqa: E402
+from ulysses_dtensor.parallel.loss import (  # noqa: E402
+    IGNORE_INDEX,
+    count_valid_tokens,
+    global_loss,
+    sp_cross_entropy,
+)
+from ulysses_dtensor.parallel.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMesh  # noqa: E402
+from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank  # noqa: E402
 
 VOCAB, SEQ, ROWS, HEADS, WINDOW = 64, 29, 4, 4, 4
 DOC_STARTS = [[0, 11], [0], [0, 5, 17], [0, 23]]  # document starts per row; shortest document: 5 > WINDOW

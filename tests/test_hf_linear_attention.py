@@ -31,9 +31,14 @@ if importlib.util.find_spec("transformers") is None:
 from distributed import run_ranks  # noqa: E402
 from test_hf_integration import build_pmesh, registry_restored  # noqa: E402
 
-from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
-from ulysses_dtensor.loss import IGNORE_INDEX, count_valid_tokens, global_loss, sp_cross_entropy  # noqa: E402
-from ulysses_dtensor.mesh import ParallelDims  # noqa: E402
+from ulysses_dtensor.parallel.comm_stats import CollectiveCounter  # noqa: E402
+from ulysses_dtensor.parallel.loss import (  # noqa: E402
+    IGNORE_INDEX,
+    count_valid_tokens,
+    global_loss,
+    sp_cross_entropy,
+)
+from ulysses_dtensor.parallel.mesh import ParallelDims  # noqa: E402
 
 VOCAB, SEQ, ROWS = 64, 149, 2
 # Document starts per row: mid-chunk resets (37, 100, 130) and one at a chunk start (64).
@@ -208,8 +213,11 @@ def test_hybrid_models_match_unsharded_on_every_mesh():
 def _kernels_worker(rank: int, world: int) -> dict:
     from transformers.models.qwen3_next import modeling_qwen3_next as own
 
-    from ulysses_dtensor.documents import segment_ids
-    from ulysses_dtensor.integrations.gated_delta import causal_conv_documents, chunk_gated_delta_rule_documents
+    from ulysses_dtensor.integrations.gated_delta import (
+        causal_conv_documents,
+        chunk_gated_delta_rule_documents,
+    )
+    from ulysses_dtensor.parallel.documents import segment_ids
 
     # Small chunks (8) so that 37 tokens cross several: resets mid-chunk, at a chunk
     # start (16, 24), and a one-token document (8).

@@ -19,20 +19,29 @@ import importlib.util
 
 import pytest
 
-
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("needs the hf extra (transformers)", allow_module_level=True)
 
-from distributed import run_ranks  # noqa: E402
 import test_hf_integration as plain  # noqa: E402
 import test_hf_linear_attention as hybrid  # noqa: E402
-from test_hf_integration import GRAD_RTOL, LOSS_RTOL, _rel, _router_loss_fn, build_pmesh, registry_restored  # noqa: E402
-
 import torch  # noqa: E402
+from distributed import run_ranks  # noqa: E402
+from test_hf_integration import (  # noqa: E402
+    GRAD_RTOL,
+    LOSS_RTOL,
+    _rel,
+    _router_loss_fn,
+    build_pmesh,
+    registry_restored,
+)
 
-from ulysses_dtensor.comm_stats import CollectiveCounter  # noqa: E402
-from ulysses_dtensor.loss import count_valid_tokens, global_loss, sp_cross_entropy  # noqa: E402
-from ulysses_dtensor.mesh import ParallelDims, ParallelMesh  # noqa: E402
+from ulysses_dtensor.parallel.comm_stats import CollectiveCounter  # noqa: E402
+from ulysses_dtensor.parallel.loss import (  # noqa: E402
+    count_valid_tokens,
+    global_loss,
+    sp_cross_entropy,
+)
+from ulysses_dtensor.parallel.mesh import ParallelDims, ParallelMesh  # noqa: E402
 
 TILED = {"tiled_mlp": True, "mlp_tiles": 3}
 OFFLOAD = {"ac_mode": "full", "offload_activations": True}
@@ -115,7 +124,7 @@ def _run(family: str, pmesh: ParallelMesh, opts: dict, count: bool = False) -> t
     info = {"fwd": fwd.counts(), "layers": model.config.get_text_config().num_hidden_layers,
             "local_tokens": labels.numel()}
     if count:
-        from ulysses_dtensor.tensor_parallel import hf_tp_plan
+        from ulysses_dtensor.parallel.tensor_parallel import hf_tp_plan
 
         info.update(bwd=bwd.counts(), fwd_all_reduce_bytes=fwd.input_bytes("all_reduce"),
                     tp_plan=hf_tp_plan(model, "layers.*.") if pmesh.dims.tp > 1 else {})

@@ -26,13 +26,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_hf_integration as integration
 import torch
-
 from distributed import run_ranks
 from packed_reference import builtin_corpus_loader, reference_step, trainer_adamw
 from transformers_strict import no_transformers_warnings
-
-import test_hf_integration as integration
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -115,7 +113,7 @@ def _global_length_task(rank, world):
     from ulysses_dtensor.integrations.hf import parallelize_hf_model
     from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm
     from ulysses_dtensor.integrations.hf_rope import export_rope_fields
-    from ulysses_dtensor.mesh import ParallelDims
+    from ulysses_dtensor.parallel.mesh import ParallelDims
 
     seq = 48
     ids = torch.randint(0, integration.VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
@@ -236,12 +234,16 @@ def _reference(hf_dir, toml) -> list[dict]:
 
 
 def test_trainer_stage_ropes_on_a_transformers_model(tmp_path):
+    from test_trainer_transformers import _trained_model
     from transformers import AutoModelForCausalLM
 
     from ulysses_dtensor.export import export_checkpoint
     from ulysses_dtensor.models.rope import RopeConfig
-    from ulysses_dtensor.trainer.config import ConfigError, parse_config, validate_config
-    from test_trainer_transformers import _trained_model
+    from ulysses_dtensor.trainer.config import (
+        ConfigError,
+        parse_config,
+        validate_config,
+    )
 
     hf_dir = tmp_path / "llama"
     make_tiny_hf_model(hf_dir, "llama", tokenizer=False, **SHAPE)  # llama3 rope, theta 1e4

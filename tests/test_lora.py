@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed import run_ranks
 from packed_reference import builtin_corpus_loader, packed_documents_loss, trainer_jobs
 
@@ -76,11 +75,11 @@ RUNS = {  # name: (implementation, mesh, switches)
 
 def _trainer_steps(rank, world, runs):
     """Each run's per-step loss and full adapter gradients (rank 0), and its initial trained tensors."""
-    from ulysses_dtensor.batch import shard_batch
     from ulysses_dtensor.integrations.lora import base_name
-    from ulysses_dtensor.loss import count_valid_tokens, global_loss
+    from ulysses_dtensor.parallel.batch import shard_batch
+    from ulysses_dtensor.parallel.loss import count_valid_tokens, global_loss
+    from ulysses_dtensor.trainer.build import build_model
     from ulysses_dtensor.trainer.config import load_config, validate_config
-    from ulysses_dtensor.trainer.loop import build_model
     from ulysses_dtensor.trainer.step import build_optimizer, train_step
 
     out = {}
@@ -116,10 +115,10 @@ def _trainer_steps(rank, world, runs):
 def _reference(hf_dir, names_of, first, saved: list[str]):
     """The same steps by hand: peft's ``get_peft_model`` on ``from_pretrained``, the trainer's
     initial adapters copied in, each packed document alone, clipping, AdamW."""
+    from packed_reference import trainer_adamw
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from packed_reference import trainer_adamw
     from ulysses_dtensor.trainer.config import load_config
 
     cfg = load_config(_argv(hf_dir, "unused", "transformers", (1, 1, 1)))
@@ -152,7 +151,7 @@ def _plain(name: str) -> str:
 def test_loss_and_every_adapter_gradient_equal_peft_unsharded(llama_dir, tmp_path):
     import dataclasses
 
-    from ulysses_dtensor.export_lora import hf_name_of
+    from ulysses_dtensor.export.adapters import hf_name_of
     from ulysses_dtensor.trainer.config import load_config, model_args
 
     runs = [(name, _argv(llama_dir, tmp_path / str(i), impl, mesh, *extra))
@@ -196,10 +195,10 @@ def test_recomputation_replays_lora_dropout(monkeypatch):
     gradients would differ."""
     import torch.distributed as dist
 
-    from ulysses_dtensor import parallelize
     from ulysses_dtensor.integrations.lora import LoraSpec, add_lora
-    from ulysses_dtensor.mesh import ParallelDims
+    from ulysses_dtensor.models import llama_parallelize as parallelize
     from ulysses_dtensor.models.llama import Llama, llama_args
+    from ulysses_dtensor.parallel.mesh import ParallelDims
 
     own = not dist.is_initialized()
     if own:
@@ -324,7 +323,7 @@ def test_checkpoint_holds_adapters_resumes_on_another_mesh_and_exports(llama_dir
     info = json.loads((plain / "model.json").read_text())
     (plain / "model.json").write_text(json.dumps({**info, "lora": None}))
     from ulysses_dtensor.export import export_checkpoint
-    from ulysses_dtensor.models.hf_checkpoint import HFCheckpointError
+    from ulysses_dtensor.models.llama_checkpoint import HFCheckpointError
 
     with pytest.raises(HFCheckpointError, match=r"--merge: .*plain holds every weight of the model \(no \[lora\]"):
         export_checkpoint(plain, tmp_path / "x", merge=True)

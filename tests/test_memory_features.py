@@ -8,9 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ulysses_dtensor.loss import IGNORE_INDEX, sp_cross_entropy
-from ulysses_dtensor.offload import HostOffloader, OffloadedCheckpointBlock
-from ulysses_dtensor.tiling import TiledMLP, auto_loss_chunks, auto_num_tiles, tiled_sp_cross_entropy
+from ulysses_dtensor.memory.offload import HostOffloader, OffloadedCheckpointBlock
+from ulysses_dtensor.memory.tiling import (
+    TiledMLP,
+    auto_loss_chunks,
+    auto_num_tiles,
+    tiled_sp_cross_entropy,
+)
+from ulysses_dtensor.parallel.loss import IGNORE_INDEX, sp_cross_entropy
 
 DIM, FFN, VOCAB = 16, 64, 96
 
@@ -259,10 +264,10 @@ def _clean(name: str) -> str:
 
 
 def _llama_step(pm, features: dict, batch, use_labels: bool):
-    from ulysses_dtensor.batch import shard_batch
-    from ulysses_dtensor.loss import count_valid_tokens, global_loss
     from ulysses_dtensor.models.llama import Llama, llama_args
-    from ulysses_dtensor.parallelize import parallelize_llama
+    from ulysses_dtensor.models.llama_parallelize import parallelize_llama
+    from ulysses_dtensor.parallel.batch import shard_batch
+    from ulysses_dtensor.parallel.loss import count_valid_tokens, global_loss
 
     with torch.device("meta"):
         model = Llama(llama_args("debug", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=64))
@@ -283,7 +288,7 @@ def _llama_step(pm, features: dict, batch, use_labels: bool):
 
 
 def _features_worker(rank: int, world: int) -> None:
-    from ulysses_dtensor.mesh import ParallelDims
+    from ulysses_dtensor.parallel.mesh import ParallelDims
 
     pm = ParallelDims(sp=world).build_mesh("cpu")
     g = torch.Generator().manual_seed(0)
@@ -319,7 +324,7 @@ def test_memory_features_match_plain_under_sp_and_fsdp():
 
 def test_offload_needs_full_ac():
     from ulysses_dtensor.models.llama import Llama, llama_args
-    from ulysses_dtensor.parallelize import parallelize_llama
+    from ulysses_dtensor.models.llama_parallelize import parallelize_llama
 
     with torch.device("meta"):
         model = Llama(llama_args("debug"))

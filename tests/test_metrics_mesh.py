@@ -33,8 +33,8 @@ import math
 from pathlib import Path
 
 import pytest
-
 from distributed import run_ranks
+
 from ulysses_dtensor.trainer.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,8 +221,8 @@ def test_throughput_follows_the_formula_on_every_mesh(runs):
 
     from ulysses_dtensor.data import build_tokenizer
     from ulysses_dtensor.models.llama import Llama
+    from ulysses_dtensor.trainer.build import resolve_vocab_size
     from ulysses_dtensor.trainer.config import model_args
-    from ulysses_dtensor.trainer.loop import resolve_vocab_size
 
     model, out = runs
     for name, (metrics, _, world, argv) in out.items():
@@ -248,9 +248,8 @@ def test_transformers_first_step_equals_transformers_unsharded(runs):
     """Loss with the router aux loss, the aux loss and the gradient norm of step 1 on every
     mesh equal transformers' own unsharded model on the same global batch."""
     import torch
-    from transformers import AutoModelForCausalLM
-
     from test_hf_trainer_families import reference
+    from transformers import AutoModelForCausalLM
 
     _, out = runs
     argv = out[REFERENCE][3]

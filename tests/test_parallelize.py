@@ -22,15 +22,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from distributed import run_ranks
-from ulysses_dtensor.batch import shard_batch
-from ulysses_dtensor.loss import global_loss, sp_cross_entropy
-from ulysses_dtensor.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMesh
 from ulysses_dtensor.models.llama import Llama, llama_args
-from ulysses_dtensor.parallelize import clip_grad_norm_, parallelize_llama
+from ulysses_dtensor.models.llama_parallelize import clip_grad_norm_, parallelize_llama
+from ulysses_dtensor.parallel.batch import shard_batch
+from ulysses_dtensor.parallel.loss import global_loss, sp_cross_entropy
+from ulysses_dtensor.parallel.mesh import MESH_DIM_NAMES, ParallelDims, ParallelMesh
 
 SEED = 1234
 GLOBAL_BATCH = 4
@@ -319,7 +319,7 @@ def graph_worker(rank: int, world: int) -> None:
 
     # Eager: selective ("op") AC saves the exchanged tensors, so its recompute
     # sends nothing; full AC and layer-wise AC replay the all-to-alls.
-    from ulysses_dtensor.comm_stats import CollectiveCounter
+    from ulysses_dtensor.parallel.comm_stats import CollectiveCounter
 
     n_layers = 2
     for ac_mode, sel, replayed in (("none", "op", 0), ("selective", "op", 0), ("full", "op", 4), ("selective", 1, 4)):
@@ -349,9 +349,9 @@ def test_compiled_block_is_one_graph_and_ac_communication():
 FAKE_PLAN_CHILD = r"""
 import resource, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from ulysses_dtensor.mesh import ParallelDims
+from ulysses_dtensor.parallel.mesh import ParallelDims
 from ulysses_dtensor.models.llama import Llama, llama_args
-from ulysses_dtensor.parallelize import parallelize_llama
+from ulysses_dtensor.models.llama_parallelize import parallelize_llama
 
 dist.init_process_group("fake", rank=5, world_size=64, store=FakeStore())
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from distributed import run_ranks
+
 from ulysses_dtensor.trainer.fault_injection import FAULT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -288,7 +288,7 @@ def test_comm_section_defaults_and_bad_values():
 def test_lost_peer_line_names_step_phase_and_collective():
     import torch.distributed as dist
 
-    from ulysses_dtensor.lost_peer import PeerLostError, is_peer_failure
+    from ulysses_dtensor.runtime.lost_peer import PeerLostError, is_peer_failure
     from ulysses_dtensor.trainer.comm_phases import CommPhases
     from ulysses_dtensor.trainer.config import parse_config
 
@@ -317,7 +317,7 @@ def test_lost_peer_line_names_step_phase_and_collective():
 
 
 def test_restart_store_needs_the_variable_with_several_agents(monkeypatch):
-    from ulysses_dtensor.restarts import restart_store_problem
+    from ulysses_dtensor.runtime.restarts import restart_store_problem
 
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")

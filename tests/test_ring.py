@@ -18,17 +18,17 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.parallel import parallelize_module
-
 from distributed import run_ranks
 from test_parallelize import GRAD_TOL, LOSS_RTOL, PARAM_TOL, SEED, train
+from torch.distributed.tensor.parallel import parallelize_module
+
 from ulysses_dtensor.attention import LocalAttention, local_attention
-from ulysses_dtensor.batch import shard_batch
-from ulysses_dtensor.comm_stats import CollectiveCounter
-from ulysses_dtensor.mesh import ParallelDims
 from ulysses_dtensor.models.llama import Llama, llama_args
-from ulysses_dtensor.parallelize import parallelize_llama
-from ulysses_dtensor.ring import (
+from ulysses_dtensor.models.llama_parallelize import parallelize_llama
+from ulysses_dtensor.parallel.batch import shard_batch
+from ulysses_dtensor.parallel.comm_stats import CollectiveCounter
+from ulysses_dtensor.parallel.mesh import ParallelDims
+from ulysses_dtensor.parallel.ring import (
     RingAttention,
     layout_indices,
     layout_position_ids,
@@ -36,7 +36,7 @@ from ulysses_dtensor.ring import (
     ring_bytes_per_rank,
     usp_bytes_per_rank,
 )
-from ulysses_dtensor.ulysses import UlyssesAttention
+from ulysses_dtensor.parallel.ulysses import UlyssesAttention
 
 # (ring, ulysses, dp_shard) on 8 ranks: every pair the issue names, FSDP over the rest.
 USP_MESHES = [(2, 1, 4), (1, 2, 4), (2, 2, 2), (4, 2, 1), (2, 4, 1)]
@@ -228,7 +228,11 @@ def test_layout_is_mirrored_chunks_and_shard_batch_keeps_every_token():
 
 
 def test_bad_ring_settings_are_clear_errors():
-    from ulysses_dtensor.trainer.config import ConfigError, parse_config, validate_config
+    from ulysses_dtensor.trainer.config import (
+        ConfigError,
+        parse_config,
+        validate_config,
+    )
 
     with pytest.raises(ValueError, match=r"parallelism.ring=3 must divide parallelism.sp=8 .*\[1, 2, 4, 8\]"):
         ParallelDims(sp=8, ring=3, world_size=8)

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed import run_ranks
 from transformers_strict import no_transformers_warnings
-from ulysses_dtensor.batch import shard_batch
-from ulysses_dtensor.models.hf_checkpoint import args_from_hf_config, hf_names
+
 from ulysses_dtensor.models.llama import Llama
+from ulysses_dtensor.models.llama_checkpoint import args_from_hf_config, hf_names
 from ulysses_dtensor.models.rope import ROPE_TYPES, RopeConfig
+from ulysses_dtensor.parallel.batch import shard_batch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -115,7 +115,7 @@ def test_frequencies_scaling_and_cos_sin_equal_transformers_for_every_type():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from ulysses_dtensor.models.hf_checkpoint import rope_from_hf_config
+    from ulysses_dtensor.models.llama_checkpoint import rope_from_hf_config
 
     head_dim = 16
     cases = {k: rope_case(k, head_dim) for k in ROPE_TYPES}
@@ -199,8 +199,8 @@ def test_logits_match_transformers_for_every_rope_type_and_family(base_models):
 
 
 def _sp_length_task(rank, world, config: dict, state: dict) -> dict:
-    from ulysses_dtensor.mesh import ParallelDims
-    from ulysses_dtensor.parallelize import parallelize_llama
+    from ulysses_dtensor.models.llama_parallelize import parallelize_llama
+    from ulysses_dtensor.parallel.mesh import ParallelDims
     from ulysses_dtensor.trainer.rope_stages import global_rope_length
 
     args = args_from_hf_config(config)
@@ -306,8 +306,8 @@ def test_export_every_rope_type_loads_without_warnings(base_models, tmp_path):
             AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
     # Our own flavor (no source config), trained at 256 tokens, within its llama3 rope's
     # original 8192 (issue: the export wrote 8192 and transformers warned on every load).
-    from ulysses_dtensor.models.hf_checkpoint import hf_config_from_args
     from ulysses_dtensor.models.llama import llama_args
+    from ulysses_dtensor.models.llama_checkpoint import hf_config_from_args
 
     own = Llama(llama_args("debug", vocab_size=VOCAB))
     own.init_weights(seed=3)
@@ -337,7 +337,11 @@ def test_export_every_rope_type_loads_without_warnings(base_models, tmp_path):
 
 
 def _stage_error(schedule: list[dict]) -> str:
-    from ulysses_dtensor.trainer.config import ConfigError, parse_config, validate_config
+    from ulysses_dtensor.trainer.config import (
+        ConfigError,
+        parse_config,
+        validate_config,
+    )
 
     cfg = parse_config({"model": {"flavor": "debug"}, "context": {"schedule": schedule}})
     with pytest.raises(ConfigError) as e:

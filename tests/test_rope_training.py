@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed import run_ranks
 from transformers_strict import no_transformers_warnings
 
@@ -66,8 +65,12 @@ def _trained_model(hf_dir: Path, ckpt: Path):
     """Our model with the checkpoint's weights, read in one process."""
     import torch.distributed.checkpoint as dcp
 
-    from ulysses_dtensor.models.hf_checkpoint import args_from_hf_config, quiet_single_process, read_hf_config
     from ulysses_dtensor.models.llama import Llama
+    from ulysses_dtensor.models.llama_checkpoint import (
+        args_from_hf_config,
+        quiet_single_process,
+        read_hf_config,
+    )
 
     model = Llama(args_from_hf_config(read_hf_config(hf_dir)))
     state = {"model": model.state_dict()}

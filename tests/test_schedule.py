@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ulysses_dtensor.schedule import ContextSchedule, LRSchedule, Stage
+from ulysses_dtensor.trainer.schedule import ContextSchedule, LRSchedule, Stage
 
 STAGES = [Stage(1, 8192), Stage(100, 65536), Stage(200, 262144), Stage(300, 1048576)]
 

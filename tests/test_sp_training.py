@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_ranks
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from distributed import run_ranks
 from ulysses_dtensor.attention import LocalAttention
-from ulysses_dtensor.batch import shard_batch
-from ulysses_dtensor.loss import IGNORE_INDEX, global_loss, sp_cross_entropy
-from ulysses_dtensor.mesh import ParallelDims
-from ulysses_dtensor.ulysses import UlyssesAttention
+from ulysses_dtensor.parallel.batch import shard_batch
+from ulysses_dtensor.parallel.loss import IGNORE_INDEX, global_loss, sp_cross_entropy
+from ulysses_dtensor.parallel.mesh import ParallelDims
+from ulysses_dtensor.parallel.ulysses import UlyssesAttention
 
 VOCAB, DIM, HEADS, KV = 64, 32, 8, 2
 

@@ -24,12 +24,12 @@ import pytest
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("needs the hf extra (transformers)", allow_module_level=True)
 
-from distributed import run_ranks  # noqa: E402
 import test_hf_integration as plain  # noqa: E402
 import test_hf_linear_attention as hybrid  # noqa: E402
 import test_hf_memory as memory  # noqa: E402
+from distributed import run_ranks  # noqa: E402
 
-from ulysses_dtensor.mesh import ParallelDims  # noqa: E402
+from ulysses_dtensor.parallel.mesh import ParallelDims  # noqa: E402
 
 # Qwen3 with 2 kv heads (the parity file's has 1, which tp 2 cannot split). Registered
 # in the rank processes only: the parity file's own test compares its ranks' results
@@ -62,7 +62,7 @@ def _parity_worker(rank: int, world: int) -> list[dict]:
 
 
 def test_transformers_models_under_tp_match_unsharded_with_counted_collectives():
-    from ulysses_dtensor.tensor_parallel import tp_all_reduces
+    from ulysses_dtensor.parallel.tensor_parallel import tp_all_reduces
 
     results = run_ranks(4, _parity_worker)[0]
     for r in results:

@@ -28,7 +28,6 @@ from unittest import mock
 
 import pytest
 import torch
-
 from distributed import run_ranks
 
 pytestmark = pytest.mark.skipif(
@@ -118,7 +117,9 @@ def build_trainer(ulysses: bool, dims, model, model_config):
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.trainer import Trainer
 
-    from ulysses_dtensor.integrations.torchtitan.metrics import UlyssesMetricsProcessor
+    from ulysses_dtensor.integrations.torchtitan.metrics_processor import (
+        UlyssesMetricsProcessor,
+    )
     from ulysses_dtensor.integrations.torchtitan.trainer import UlyssesTrainer
 
     cls = UlyssesTrainer if ulysses else Trainer
@@ -154,10 +155,15 @@ def build_trainer(ulysses: bool, dims, model, model_config):
 
 def run_case(world: int, case: dict) -> dict:
     import torchtitan.components.metrics as tt_metrics
+    from test_torchtitan_plugin import (
+        build_parallel_dims,
+        canonical,
+        reference,
+        tiny_model_config,
+    )
     from torch.distributed.tensor import distribute_tensor
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
-    from test_torchtitan_plugin import build_parallel_dims, canonical, reference, tiny_model_config
     from ulysses_dtensor.integrations.torchtitan.parallelize import parallelize_ulysses
 
     rep, shard, sp = case.get("dp_replicate", 1), case.get("dp_shard", 1), case["sp"]

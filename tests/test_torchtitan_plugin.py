@@ -37,7 +37,6 @@ from unittest import mock
 
 import pytest
 import torch
-
 from distributed import run_ranks
 
 pytestmark = pytest.mark.skipif(
@@ -71,7 +70,13 @@ def tiny_model_config(family: str, attention: str, parallelism=None):
 
     from torch import nn
     from torchtitan.config.override import OverrideConfig, apply_overrides
-    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common import (
+        ComplexRoPE,
+        CosSinRoPE,
+        Embedding,
+        Linear,
+        RMSNorm,
+    )
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.param_init import skip_param_init
 
@@ -94,7 +99,11 @@ def tiny_model_config(family: str, attention: str, parallelism=None):
             ),
         )
     elif family in ("qwen3", "qwen3_moe"):
-        from torchtitan.models.qwen3 import _build_qwen3_layers, _build_qwen3_moe_layers, _qwen3_norm
+        from torchtitan.models.qwen3 import (
+            _build_qwen3_layers,
+            _build_qwen3_moe_layers,
+            _qwen3_norm,
+        )
         from torchtitan.models.qwen3.model import Qwen3Model
 
         head_dim = 16  # Qwen3: heads * head_dim != dim, q/k norms, tied embeddings (dense)
@@ -180,7 +189,7 @@ def reference(family: str, attention: str, docs: bool) -> dict:
     """Loss and gradients of the unsharded model in this process (and its initial weights)."""
     from torchtitan.components.loss import CrossEntropyLoss
 
-    from ulysses_dtensor.integrations.torchtitan.batch import shard_for_sp
+    from ulysses_dtensor.integrations.torchtitan.sp_batch import shard_for_sp
 
     torch.manual_seed(SEED)
     model = tiny_model_config(family, attention).build()
@@ -221,10 +230,10 @@ def run_case(world: int, case: dict, meshes: dict) -> dict:
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.protocols.model_spec import ModelSpec
 
-    from ulysses_dtensor.comm_stats import CollectiveCounter
-    from ulysses_dtensor.integrations.torchtitan.batch import shard_for_sp
     from ulysses_dtensor.integrations.torchtitan.parallelize import ulysses_model_spec
-    from ulysses_dtensor.ulysses import exchange_bytes_per_rank
+    from ulysses_dtensor.integrations.torchtitan.sp_batch import shard_for_sp
+    from ulysses_dtensor.parallel.comm_stats import CollectiveCounter
+    from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank
 
     family, attention, docs = case["model"], case.get("attention", "sdpa"), case.get("docs", True)
     sp, pack = case["sp"], case.get("pack_qkv", False)
@@ -377,10 +386,12 @@ def run_pipeline_case(world: int, case: dict, meshes: dict) -> dict:
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.protocols.model_spec import ModelSpec
 
-    from ulysses_dtensor.comm_stats import CollectiveCounter
-    from ulysses_dtensor.integrations.torchtitan._torch_compat import ensure_microbatch_step
-    from ulysses_dtensor.integrations.torchtitan.batch import shard_for_sp
+    from ulysses_dtensor.integrations.torchtitan._torch_compat import (
+        ensure_microbatch_step,
+    )
     from ulysses_dtensor.integrations.torchtitan.parallelize import ulysses_model_spec
+    from ulysses_dtensor.integrations.torchtitan.sp_batch import shard_for_sp
+    from ulysses_dtensor.parallel.comm_stats import CollectiveCounter
 
     family, attention, sp, pp = case["model"], case.get("attention", "sdpa"), case["sp"], case["pp"]
     degrees = (1, 1, sp, 1, 1, pp)
@@ -532,10 +543,19 @@ def config_worker(rank: int, world: int) -> dict | None:
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     from ulysses_dtensor.integrations.torchtitan import config_registry as registry
-    from ulysses_dtensor.integrations.torchtitan.attention import OVERRIDE_TARGET, UlyssesInnerAttention
-    from ulysses_dtensor.integrations.torchtitan.metrics import max_loss_config
+    from ulysses_dtensor.integrations.torchtitan.attention import (
+        OVERRIDE_TARGET,
+        UlyssesInnerAttention,
+    )
+    from ulysses_dtensor.integrations.torchtitan.metrics_processor import (
+        max_loss_config,
+    )
     from ulysses_dtensor.integrations.torchtitan.parallelize import parallelize_ulysses
-    from ulysses_dtensor.integrations.torchtitan.trainer import UlyssesConfig, UlyssesTrainer, prepare_config
+    from ulysses_dtensor.integrations.torchtitan.trainer import (
+        UlyssesConfig,
+        UlyssesTrainer,
+        prepare_config,
+    )
 
     out: dict = {}
     module = ["--module", "ulysses_dtensor.integrations.torchtitan", "--config", "llama3_debugmodel_ulysses"]
@@ -687,7 +707,9 @@ OVERRIDE_TARGET_NAME = "ulysses_dtensor.integrations.torchtitan.attention.ulysse
 
 
 def test_torchtitan_version_errors():
-    from ulysses_dtensor.integrations.torchtitan._requirements import check_torchtitan_version
+    from ulysses_dtensor.integrations.torchtitan._requirements import (
+        check_torchtitan_version,
+    )
 
     check_torchtitan_version("0.3.0")
     with pytest.raises(ImportError, match=r"needs torchtitan==0\.3\.0, which is not installed: pip install"):

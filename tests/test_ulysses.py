@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from distributed import run_ranks
 from ulysses_dtensor.attention import LocalAttention, local_attention
-from ulysses_dtensor.batch import shard_batch
-from ulysses_dtensor.comm_stats import CollectiveCounter
-from ulysses_dtensor.mesh import ParallelDims
-from ulysses_dtensor.ulysses import (
+from ulysses_dtensor.parallel.batch import shard_batch
+from ulysses_dtensor.parallel.comm_stats import CollectiveCounter
+from ulysses_dtensor.parallel.mesh import ParallelDims
+from ulysses_dtensor.parallel.ulysses import (
     UlyssesAttention,
     exchange_bytes_per_rank,
     kv_replication,
@@ -282,7 +282,7 @@ def _bad_input_worker(rank: int, world: int) -> None:
         raise AssertionError("2-D mesh was accepted")
     # A ring (USP) refuses the patterns its merge of plain causal blocks cannot
     # express, naming the value, before any collective.
-    from ulysses_dtensor.ring import RingAttention
+    from ulysses_dtensor.parallel.ring import RingAttention
 
     ring_mesh = ParallelDims(sp=4, ring=2).build_mesh("cpu").ring
     for kwargs, words in ((dict(window=16), "sliding window (window=16)"), (dict(softcap=30.0), "soft-capping (softcap=30.0)")):

@@ -9,22 +9,22 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ParallelDims": "mesh",
-    "ParallelMesh": "mesh",
-    "UlyssesAttention": "ulysses",
-    "seq_to_heads": "ulysses",
-    "heads_to_seq": "ulysses",
-    "RingAttention": "ring",
-    "ring_attention": "ring",
-    "shard_batch": "batch",
-    "sp_cross_entropy": "loss",
-    "count_valid_tokens": "loss",
-    "global_loss": "loss",
+    "ParallelDims": "parallel.mesh",
+    "ParallelMesh": "parallel.mesh",
+    "UlyssesAttention": "parallel.ulysses",
+    "seq_to_heads": "parallel.ulysses",
+    "heads_to_seq": "parallel.ulysses",
+    "RingAttention": "parallel.ring",
+    "ring_attention": "parallel.ring",
+    "shard_batch": "parallel.batch",
+    "sp_cross_entropy": "parallel.loss",
+    "count_valid_tokens": "parallel.loss",
+    "global_loss": "parallel.loss",
     "local_attention": "attention",
     "LocalAttention": "attention",
-    "CollectiveCounter": "comm_stats",
-    "parallelize_llama": "parallelize",
-    "clip_grad_norm_": "parallelize",
+    "CollectiveCounter": "parallel.comm_stats",
+    "parallelize_llama": "models.llama_parallelize",
+    "clip_grad_norm_": "models.llama_parallelize",
 }
 
 __all__ = sorted(_EXPORTS)

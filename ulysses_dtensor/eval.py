@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 from .data import DataError
-from .runtime import exit_process
-from .trainer.cli import exit_on_known_error
+from .runtime.known_errors import exit_on_known_error
+from .runtime.process_group import exit_process
 from .trainer.config_schema import ConfigError
 
 
@@ -54,12 +54,13 @@ def evaluate(argv: list[str]) -> list[dict]:
     import torch.distributed as dist
 
     from .data import build_tokenizer
-    from .data.sft import open_source
+    from .data.sources import open_source
     from .evaluation.runner import Evaluator, spec_from
-    from .runtime import finish_together
+    from .runtime.process_group import finish_together
+    from .trainer.build import init_distributed, resolve_vocab_size
+    from .trainer.comm_phases import CommPhases
     from .trainer.config import load_config, validate_config
     from .trainer.config_checks import check_eval_data
-    from .trainer.hf_start import tokenizer_spec
     from .trainer.eval_setup import (
         check_eval_setup,
         eval_lengths,
@@ -70,8 +71,7 @@ def evaluate(argv: list[str]) -> list[dict]:
         publish,
         split_for_eval,
     )
-    from .trainer.comm_phases import CommPhases
-    from .trainer.loop import init_distributed, resolve_vocab_size
+    from .trainer.hf_start import tokenizer_spec
 
     own, rest = _own_flags(argv)
     cfg = load_config(rest)

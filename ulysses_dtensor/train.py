@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import sys
 
-from .runtime import exit_process
-from .trainer.cli import exit_on_known_error
+from .runtime.known_errors import exit_on_known_error
+from .runtime.process_group import exit_process
 from .trainer.config import config_help, load_config
 
 

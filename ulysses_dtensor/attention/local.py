@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..documents import segment_ids
+from ..parallel.documents import segment_ids
 from .dense import sdpa_attention
 from .flex import flex_attention_backend
 from .packed import flash_attn_backend, varlen_backend

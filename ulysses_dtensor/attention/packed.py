@@ -22,7 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..documents import cached_for_documents, cu_seqlens, cu_seqlens_from_document_ids
+from ..parallel.documents import (
+    cached_for_documents,
+    cu_seqlens,
+    cu_seqlens_from_document_ids,
+)
 from .dense import _repeat_kv
 from .pattern import Pattern
 from .select import FLASH_HEAD_DIM_MULTIPLE, _import_flash_attn

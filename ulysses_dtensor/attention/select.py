@@ -15,7 +15,7 @@ import importlib
 
 import torch
 
-from ..suggest import unknown_name
+from ..runtime.suggest import unknown_name
 
 __all__ = [
     "BACKENDS",

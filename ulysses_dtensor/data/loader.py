@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..loss import IGNORE_INDEX
+from ..parallel.loss import IGNORE_INDEX
 from .bestfit import BestFitRows
 from .mixture import RowMixture
 from .stream import TokenStream

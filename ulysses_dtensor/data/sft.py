@@ -43,7 +43,7 @@ from .readers import data_files, data_suffix, iter_file_records
 from .token_docs import TokenizedSource
 
 __all__ = ["FORMATS", "ChatRenderer", "PromptCompletionRenderer", "RenderedDocs", "build_renderer",
-           "check_store_format", "long_samples", "open_source"]
+           "check_store_format", "long_samples"]
 
 FORMATS = ("text", "chat", "prompt_completion")
 
@@ -236,20 +236,3 @@ def long_samples(docs, seq_len: int) -> tuple[int, int]:
     """(samples longer than ``seq_len`` tokens, the longest sample's length) of tokenized ``docs``."""
     lengths = docs.lengths(0, len(docs))
     return int((lengths > seq_len).sum()), int(lengths.max()) if len(lengths) else 0
-
-
-def open_source(path: str, fmt: str, tokenizer_spec: str, text_key: str = "text", max_corpus_mb: float = 8.0,
-                *, key: str = "data.path"):
-    """The documents of ``path`` read as ``fmt``: a store prepared with that format, raw
-    records rendered at load (chat / prompt_completion), or text (:func:`~.sources.build_source`)."""
-    from .sources import build_source
-    from .store import TokenStore, is_store
-
-    if path and is_store(path):
-        store = TokenStore(path)
-        if store.manifest.get("renderer", "text") in FORMATS or fmt != "text":  # a library's own renderer reads as text
-            check_store_format(store, fmt, key)
-        return store
-    if fmt == "text" or not path:
-        return build_source(path, text_key, max_corpus_mb)
-    return RenderedDocs(path, build_renderer(fmt, tokenizer_spec))

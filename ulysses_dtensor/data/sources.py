@@ -27,7 +27,7 @@ import numpy as np
 from .errors import DataError
 from .readers import data_files, data_suffix, decode_utf8, jsonl_text, open_binary, scan_jsonl_lines, table_texts
 
-__all__ = ["DocumentSource", "StdlibCorpus", "FileCorpus", "build_source"]
+__all__ = ["DocumentSource", "StdlibCorpus", "FileCorpus", "build_source", "open_source"]
 
 _SKIP_DIRS = {"test", "tests", "site-packages", "dist-packages", "__pycache__", "idlelib"}
 
@@ -175,3 +175,20 @@ def build_source(path: str = "", text_key: str = "text", max_corpus_mb: float = 
         return TokenStore(path)
     return FileCorpus(path, text_key=text_key)
 
+
+def open_source(path: str, fmt: str, tokenizer_spec: str, text_key: str = "text", max_corpus_mb: float = 8.0,
+                *, key: str = "data.path"):
+    """The documents of ``path`` read as ``fmt``: a store prepared with that format, raw
+    records rendered at load (chat / prompt_completion, :mod:`.sft`), or text
+    (:func:`build_source`). Every data source of a run is opened here."""
+    from .sft import FORMATS, RenderedDocs, build_renderer, check_store_format
+    from .store import TokenStore, is_store
+
+    if path and is_store(path):
+        store = TokenStore(path)
+        if store.manifest.get("renderer", "text") in FORMATS or fmt != "text":  # a library's own renderer reads as text
+            check_store_format(store, fmt, key)
+        return store
+    if fmt == "text" or not path:
+        return build_source(path, text_key, max_corpus_mb)
+    return RenderedDocs(path, build_renderer(fmt, tokenizer_spec))

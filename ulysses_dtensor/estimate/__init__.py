@@ -9,7 +9,7 @@ One process plays rank 0 of a world of ``N`` ranks: a ``fake`` process group
 stands in for the other ranks (collectives return tensors of the right shape
 and move nothing), and ``FakeTensorMode`` gives every tensor a shape, dtype and
 device but no storage. Inside it the planner runs the trainer's own code:
-:func:`~ulysses_dtensor.trainer.loop.build_model` (meta build, Ulysses, AC,
+:func:`~ulysses_dtensor.trainer.build.build_model` (meta build, Ulysses, AC,
 tiling, offload, FSDP2), the trainer's AdamW, and the trainer's step
 (:func:`~ulysses_dtensor.trainer.step.train_step`: forward with labels,
 backward, clip, optimizer step, zero grad) on a batch of this rank's shape.

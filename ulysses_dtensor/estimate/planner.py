@@ -50,7 +50,7 @@ def _cheaper_trace(cfg, args, s_local: int, counts: tuple[int, ...]) -> str:
     ~40 more per MLP tile (forward, recompute and backward of each tile), ~10
     per loss chunk; the extrapolated plan traces the loss once per trace.
     """
-    from ..tiling import auto_loss_chunks, auto_num_tiles
+    from ..memory.tiling import auto_loss_chunks, auto_num_tiles
 
     mem = cfg.memory
     per_layer = 200
@@ -128,7 +128,7 @@ def plan_memory(
     The process must not have a process group (the planner makes a fake one).
     Raises :class:`~ulysses_dtensor.trainer.config.ConfigError` for a bad config.
     """
-    from ..mesh import ParallelDims
+    from ..parallel.mesh import ParallelDims
     from ..trainer.config import model_args, validate_config
 
     if device not in ("cuda", "cpu"):

@@ -67,7 +67,7 @@ def find_max_seq_len(
     the usual extra points), which saves the long climb from one unit when a
     nearby layout's answer is known.
     """
-    from ..mesh import ParallelDims
+    from ..parallel.mesh import ParallelDims
     from ..trainer.config import validate_config
 
     if world_size is None:

@@ -98,7 +98,7 @@ class _Trace:
 
 def _vocab_size(cfg) -> int:
     from ..data import build_tokenizer
-    from ..trainer.loop import resolve_vocab_size
+    from ..trainer.build import resolve_vocab_size
 
     return resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
 
@@ -106,9 +106,9 @@ def _vocab_size(cfg) -> int:
 def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, foreach: bool) -> _Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..loss import count_valid_tokens
+    from ..parallel.loss import count_valid_tokens
+    from ..trainer.build import build_model
     from ..trainer.config import model_args, validate_config
-    from ..trainer.loop import build_model
     from ..trainer.step import build_optimizer, train_step
 
     dims = validate_config(cfg, world_size, weights=False)

@@ -6,15 +6,13 @@
 * :func:`plot_position_loss`: mean next-token loss per position bucket against
   the bucket's position (log x axis), one line per eval length.
 
-``python -m ulysses_dtensor.evaluation.plots eval.jsonl OUT_DIR [--step N]``
+``python -m ulysses_dtensor.evaluation.redraw eval.jsonl OUT_DIR [--step N]``
 redraws them from an ``eval.jsonl``.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -89,27 +87,3 @@ def _fmt_tokens(n: float) -> str:
     if n >= 1024 and n % 1024 == 0:
         return f"{int(n) >> 10}K"
     return str(int(n))
-
-
-def main(argv: list[str] | None = None) -> int:
-    from .report import read_jsonl
-
-    ap = argparse.ArgumentParser(description="Redraw the evaluation PNGs from an eval.jsonl.")
-    ap.add_argument("jsonl")
-    ap.add_argument("out_dir")
-    ap.add_argument("--step", type=int, default=-1, help="which evaluation (default: the newest)")
-    a = ap.parse_args(argv)
-    rows = read_jsonl(a.jsonl, a.step)
-    if not rows:
-        print(f"{a.jsonl}: no rows for step {a.step}", file=sys.stderr)
-        return 2
-    step = rows[0]["step"]
-    if any(r["kind"] == "retrieval" for r in rows):
-        print(plot_heatmap(rows, Path(a.out_dir) / f"heatmap_step{step}.png"))
-    if any(r["kind"] == "position_loss" for r in rows):
-        print(plot_position_loss(rows, Path(a.out_dir) / f"loss_by_position_step{step}.png"))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ restarting at each document) and one prompt per (retrieval task, depth,
 sample). Data-parallel rank ``r`` takes items ``r, r + dp, ...`` (the list is
 padded with repeats to a multiple of dp, so every rank runs the same number of
 forward passes: FSDP and the all-to-alls are collective); the sp ranks of a
-group share each item. Each item goes through :func:`~ulysses_dtensor.batch.shard_batch`
+group share each item. Each item goes through :func:`~ulysses_dtensor.parallel.batch.shard_batch`
 (labels shifted on the full sequence, then sliced; lengths that sp does not
 divide are padded with ignored labels) and the model's ``hidden_states``, with
 the attention backend, tiling, activation checkpointing, compile and FSDP of
@@ -33,10 +33,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..batch import shard_batch
 from ..data import DocumentSource, TokenStream
-from ..loss import IGNORE_INDEX
-from ..tiling import auto_loss_chunks
+from ..memory.tiling import auto_loss_chunks
+from ..parallel.batch import shard_batch
+from ..parallel.loss import IGNORE_INDEX
 from .position_loss import BucketSums, bucket_edges
 from .scoring import token_stats
 from .tasks import RETRIEVAL_TASKS, TASKS, SampleGenerator, depth_grid
@@ -94,7 +94,7 @@ class Evaluator:
     Args:
         model: a :class:`~ulysses_dtensor.models.llama.Llama`, plain or as
             ``parallelize_llama`` returns it.
-        pmesh: its :class:`~ulysses_dtensor.mesh.ParallelMesh` (None: one process).
+        pmesh: its :class:`~ulysses_dtensor.parallel.mesh.ParallelMesh` (None: one process).
         tokenizer: the tokenizer the model was trained with.
         held_out: documents for the position-bucket loss (needed with task ``loss``).
     """

@@ -5,7 +5,7 @@ at start for a family the matrix has not measured (:mod:`.hf_families`): a tiny
 model is built twice from one seed; transformers' own copy, unsharded, runs a
 packed batch one document at a time (so nothing can cross a document, whatever
 its own masking does); the other copy goes through
-:func:`~.hf.parallelize_hf_model` on the mesh and runs the same global batch
+:func:`~.hf.parallelize_hf_model` (passed in by the caller) on the mesh and runs the same global batch
 sharded. fp32, packed documents, a length sp does not divide (every rank pads),
 one ignored target per row; the loss plus, for an MoE family with transformers'
 load-balancing loss, ``router_aux_loss_coef x`` that loss. Passing means the loss
@@ -30,8 +30,13 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..comm_stats import CollectiveCounter
-from ..loss import IGNORE_INDEX, count_valid_tokens, global_loss, sp_cross_entropy
+from ..parallel.comm_stats import CollectiveCounter
+from ..parallel.loss import (
+    IGNORE_INDEX,
+    count_valid_tokens,
+    global_loss,
+    sp_cross_entropy,
+)
 
 __all__ = [
     "GRAD_RTOL",
@@ -140,19 +145,20 @@ def reference(model: nn.Module, batch: dict, router: bool) -> tuple[float, dict[
     return loss.item(), grads, router
 
 
-def run_sharded(model: nn.Module, pmesh, batch: dict, router: bool, ref_grads: dict, **options
-                ) -> tuple[float, dict, dict, list]:
-    """``model`` through ``parallelize_hf_model(model, pmesh, **options)``, this rank's share of
+def run_sharded(model: nn.Module, pmesh, batch: dict, router: bool, ref_grads: dict, *,
+                parallelize: Callable, **options) -> tuple[float, dict, dict, list]:
+    """``model`` through ``parallelize(model, pmesh, **options)`` (the integration's
+    :func:`~.hf.parallelize_hf_model`, passed in: it calls this check itself), this rank's share of
     ``batch`` (rows split over dp, sequence over sp): (global loss, per parameter the squared
     norm of (gradient - reference gradient) over all its shards (None: no gradient), collectives
     of the forward, patterns the layers passed). Each rank compares its own shard with the
     same slice of the reference and one all-reduce sums them: no gradient is gathered."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from .hf import parallelize_hf_model, shard_hf_batch
     from .hf_attention import recording_patterns
+    from .hf_batch import shard_hf_batch
 
-    parallelize_hf_model(model, pmesh, **options)
+    parallelize(model, pmesh, **options)
     rows = batch["input_ids"].shape[0] // pmesh.dims.dp
     mine = slice(pmesh.dp_rank * rows, (pmesh.dp_rank + 1) * rows)
     device = next(model.parameters()).device
@@ -212,17 +218,18 @@ def compare(loss: float, squared: dict, ref_loss: float, ref_grads: dict) -> tup
     return loss_rel, worst, worst_name
 
 
-def measure(build: Callable[[], nn.Module], pmesh, *, rows: int | None = None, seq: int = 29,
-            device: torch.device | str = "cpu", **options) -> Parity:
+def measure(build: Callable[[], nn.Module], pmesh, *, parallelize: Callable, rows: int | None = None,
+            seq: int = 29, device: torch.device | str = "cpu", **options) -> Parity:
     """Build the tiny model, run it unsharded (each document alone) and through
-    ``parallelize_hf_model(..., **options)`` on ``pmesh``; compare. ``rows`` defaults to
+    ``parallelize(..., **options)`` on ``pmesh``; compare. ``rows`` defaults to
     one per data-parallel rank; ``seq`` should be one sp does not divide."""
     rows = rows or max(2, pmesh.dims.dp)
     ref_model = build().to(device)
     model = copy.deepcopy(ref_model)
     batch = packed_batch(rows, seq, ref_model.config.get_text_config().vocab_size)
     ref_loss, ref_grads, router = reference(ref_model, batch, router_loss(ref_model) is not None)
-    loss, squared, counts, patterns = run_sharded(model, pmesh, batch, router, ref_grads, **options)
+    loss, squared, counts, patterns = run_sharded(model, pmesh, batch, router, ref_grads,
+                                                  parallelize=parallelize, **options)
     return Parity(*compare(loss, squared, ref_loss, ref_grads), counts, patterns, router)
 
 
@@ -232,10 +239,11 @@ def _fake_group(pmesh) -> bool:
     return dist.get_backend(pmesh.loss.get_group()) == "fake"
 
 
-def verify_at_start(model: nn.Module, pmesh, model_type: str, why: str, **options):
+def verify_at_start(model: nn.Module, pmesh, model_type: str, why: str, *, parallelize: Callable, **options):
     """The check at start of a family the matrix has not measured: a tiny model of ``model``'s
     own (text) config class, shrunk from ``model``'s config, measured as in the matrix on
-    ``pmesh``'s own ranks and device. Returns the :class:`~.family_results.FamilyStatus`
+    ``pmesh``'s own ranks and device, through ``parallelize`` (the caller itself).
+    Returns the :class:`~.family_results.FamilyStatus`
     (``verified at start``); raises ValueError with the measured difference, or when no tiny
     model of the class can be built."""
     from transformers import AutoModelForCausalLM
@@ -267,8 +275,8 @@ def verify_at_start(model: nn.Module, pmesh, model_type: str, why: str, **option
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32 here
     try:
         sp = pmesh.dims.sp
-        parity = measure(lambda: tiny_model(tiny), pmesh, seq=29 if sp < 29 else 2 * sp + 1, device=device,
-                         allow_untested=True, **options)
+        parity = measure(lambda: tiny_model(tiny), pmesh, parallelize=parallelize,
+                         seq=29 if sp < 29 else 2 * sp + 1, device=device, allow_untested=True, **options)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{name} (model_type={model_type!r}): {why}; checked at start, refused: {e}") from None
     finally:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import family_check, family_matrix
+from .hf import parallelize_hf_model
 
 __all__ = ["CATEGORY_REASONS", "EXTRA_MESHES", "FIRST_MESH", "ROWS", "SEQ", "assemble", "family_reference", "mesh_name",
            "multimodal_status", "needs_extra_meshes", "references", "run_mesh", "structure", "text_family"]
@@ -122,7 +123,8 @@ def run_mesh(model_types: list[str], dims: tuple, refs: dict, world: int, build_
         batch = family_check.packed_batch(ROWS, SEQ, model.config.get_text_config().vocab_size)
         try:
             loss, squared, counts, patterns = family_check.run_sharded(
-                model, pmesh, batch, router, ref_grads, attn_backend="sdpa", allow_untested=True)
+                model, pmesh, batch, router, ref_grads, parallelize=parallelize_hf_model, attn_backend="sdpa",
+                allow_untested=True)
         except Exception as e:  # noqa: BLE001 - recorded; every rank raises alike (same code, same shapes)
             out[model_type] = {"error": f"{type(e).__name__}: {e}"[:300]}
             continue

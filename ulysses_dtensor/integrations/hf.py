@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -33,11 +33,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ..attention import check_backend
-from ..batch import shard_batch
-from ..loss import IGNORE_INDEX
-from ..mesh import ParallelMesh, ring_degree
-from ..offload import HostOffloader, OffloadedCheckpointBlock
-from ..parallelize import (
+from ..memory.offload import HostOffloader, OffloadedCheckpointBlock
+from ..models.llama_parallelize import (
     AC_MODES,
     _check_compile_backend,
     _parse_selective_ac,
@@ -46,9 +43,12 @@ from ..parallelize import (
     needs_rng_replay,
     shard_model,
 )
-from ..ring_layout import layout_position_ids
-from ..tensor_parallel import check_tp_heads, hf_tp_plan, tensor_parallelize
-from ..ulysses import UlyssesAttention, kv_replication
+from ..parallel.mesh import ParallelMesh
+from ..parallel.ring_layout import layout_position_ids
+from ..parallel.tensor_parallel import check_tp_heads, hf_tp_plan, tensor_parallelize
+from ..parallel.ulysses import UlyssesAttention, kv_replication
+from .family_check import verify_at_start
+from .family_results import FamilyStatus
 from .hf_attention import (
     ATTN_IMPLEMENTATION,
     DOCUMENT_IDS_KWARG,
@@ -58,13 +58,27 @@ from .hf_attention import (
     model_patterns,
     ulysses_attention_forward,
 )
-from .family_check import verify_at_start
-from .family_results import FamilyStatus
-from .hf_families import check_known_family, decoder_layers, is_attention_module, text_config_key
-from .hf_mixers import PER_TOKEN_LAYER_TYPES, check_layer_types, has_token_mixers, token_mixer_modules
-from .hf_memory import lean_norms, norm_formula as _norm_formula, per_token_blocks, per_token_width, tile_per_token_blocks
+from .hf_families import (
+    check_known_family,
+    decoder_layers,
+    is_attention_module,
+    text_config_key,
+)
+from .hf_memory import (
+    lean_norms,
+    per_token_blocks,
+    per_token_width,
+    tile_per_token_blocks,
+)
+from .hf_memory import norm_formula as _norm_formula
+from .hf_mixers import (
+    PER_TOKEN_LAYER_TYPES,
+    check_layer_types,
+    has_token_mixers,
+    token_mixer_modules,
+)
 from .hf_moe import install_router_aux_loss
-from .hf_positions import slice_positions, text_positions
+from .hf_batch import SEQ_LEN_KWARG, shard_hf_batch
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -82,11 +96,6 @@ __all__ = [
 # indexed attention, recurrences other than the mixers of hf_mixers -- would mix
 # tokens over the local slice only, silently wrong under SP.
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-# Model keyword argument carrying the unpadded length of the whole sequence
-# (shard_hf_batch sets it): the tokens past it are padding, which MoE routers
-# must not count. Consumed by the model's pre-hook, never passed down.
-SEQ_LEN_KWARG = "sp_seq_len"
 
 # Inputs of a multimodal model's encoders: those run on whole images, which
 # under SP would be scattered into a sliced sequence. The text path only.
@@ -131,7 +140,7 @@ def parallelize_hf_model(
             are sharded over ``dp_shard x sp`` (HSDP over ``dp_replicate``).
         ac_mode, selective_ac, compile_backend, param_dtype, reduce_dtype,
             reshard_after_forward, pack_qkv: as in
-            :func:`~ulysses_dtensor.parallelize.parallelize_llama`.
+            :func:`~ulysses_dtensor.models.llama_parallelize.parallelize_llama`.
         compile: compile each decoder layer in place, with ``fullgraph=True``
             where transformers declares the model fullgraph-compilable
             (``_can_compile_fullgraph``), else allowing graph breaks.
@@ -145,7 +154,7 @@ def parallelize_hf_model(
             the tokens, recomputed per tile in backward (:mod:`.hf_memory`).
         offload_activations: with ``ac_mode="full"``, keep each decoder layer's
             input in pinned host memory between forward and backward
-            (``model.offloader`` reports the bytes; :mod:`~ulysses_dtensor.offload`).
+            (``model.offloader`` reports the bytes; :mod:`~ulysses_dtensor.memory.offload`).
         offload_params: FSDP2 ``CPUOffloadPolicy`` (parameter shards, gradients
             and optimizer state in host memory; see ``parallelize_llama``).
         allow_untested: skip the family check. By default a family must pass the
@@ -167,7 +176,7 @@ def parallelize_hf_model(
     rank's share of the router loss of the whole global batch (see
     :mod:`.hf_moe`), folded into ``loss`` where transformers adds it.
 
-    Gradients are SUMMED over ranks: use :func:`~ulysses_dtensor.loss.sp_cross_entropy`
+    Gradients are SUMMED over ranks: use :func:`~ulysses_dtensor.parallel.loss.sp_cross_entropy`
     (each rank's share of the global token mean). The model is then called with
     :func:`shard_hf_batch`'s inputs; generation (a KV cache) is not supported.
     """
@@ -197,8 +206,8 @@ def parallelize_hf_model(
     check_backend(attn_backend)
     check_backend_for_patterns(name, attn_backend, model_patterns(model.config.get_text_config(), attentions))
     if status.state == "unmeasured":  # newer than the family matrix: measured here, on these ranks
-        status = verify_at_start(model, pmesh, status.model_type, status.detail, attn_backend=attn_backend,
-                                 pack_qkv=pack_qkv)
+        status = verify_at_start(model, pmesh, status.model_type, status.detail,
+                                 parallelize=parallelize_hf_model, attn_backend=attn_backend, pack_qkv=pack_qkv)
     model.family_status = status  # what the trainer's banner shows
 
     # 1. Ulysses: transformers' attention dispatch -> our exchange + local attention.
@@ -376,7 +385,7 @@ def check_ring_model(model: nn.Module, attentions: list[nn.Module], linear: list
     """Refuse, naming the model and the reason, what ring attention (``ring > 1``) does not run:
     its blocks are merged from plain causal kernels (no window, soft-cap or sinks), and a
     recurrent layer would need its state passed around the ring."""
-    from ..ring import check_ring_backend, refused_pattern
+    from ..parallel.ring import check_ring_backend, refused_pattern
 
     name = type(model).__name__
     where = f"{name} with ring={ring}"
@@ -474,53 +483,3 @@ def _layers_parent(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
         if any(child is layers for child in module.children()):
             return module
     raise ValueError(f"{type(model).__name__}: the decoder layer list has no parent module")
-
-
-def shard_hf_batch(
-    batch: Mapping[str, Tensor],
-    sp_mesh=None,
-    *,
-    pad_token_id: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[dict[str, Tensor], Tensor]:
-    """This sp rank's model keyword arguments and labels for a transformers model.
-
-    ``batch``: ``input_ids`` (B, S); optional ``labels`` aligned with the inputs
-    (token t's own id, or ``ignore_index``), ``position_ids`` restarting at 0
-    per packed document -- (B, S), or multimodal rope ids (3, B, S) / (4, B, S)
-    (:mod:`.hf_positions`), sliced on the last dim -- and an ``attention_mask``
-    that must be all ones (padding is done here, at the end, ignored by the loss).
-    The padding repeats each row's last token (``pad_token_id=None``): a padding id
-    whose embedding row is zero (transformers zero-inits ``padding_idx``) would feed
-    zeros into a norm without an epsilon (Gemma-3n's altup magnitudes), whose
-    backward is NaN -- and NaN times the padding's zero weight is still NaN.
-
-    Returns ``(inputs, labels)``: ``inputs`` has ``input_ids`` and GLOBAL
-    ``position_ids`` for this rank's ``S_pad/sp`` tokens, :data:`SEQ_LEN_KWARG`
-    (S, so that padding is known), plus :data:`DOCUMENT_IDS_KWARG` (the whole
-    sequence's document ids) when rows hold several documents; ``labels`` are
-    shifted on the full sequence before slicing (see
-    :func:`~ulysses_dtensor.batch.shard_batch`), for
-    ``sp_cross_entropy(model(**inputs).logits, labels, pmesh.loss)``.
-    """
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError(
-            "shard_hf_batch: attention_mask has zeros (padding inside the batch); Ulysses SP needs "
-            "packed rows: concatenate documents and give position_ids restarting at 0 per document"
-        )
-    batch = dict(batch)
-    multimodal = None
-    if batch.get("position_ids") is not None:
-        batch["position_ids"], multimodal = text_positions(batch["position_ids"])
-    local = shard_batch(batch, sp_mesh, pad_token_id=pad_token_id, ignore_index=ignore_index)
-    inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
-    seq = batch["input_ids"].shape[1]
-    if multimodal is not None:
-        sp_rank, sp_size = (0, 1) if sp_mesh is None else (sp_mesh.get_local_rank(), sp_mesh.size())
-        inputs["position_ids"] = slice_positions(multimodal, local["input_ids"].shape[1] * sp_size, sp_rank, sp_size,
-                                                 ring_degree(sp_mesh))
-    inputs[SEQ_LEN_KWARG] = seq
-    if local["document_ids"] is not None:
-        inputs[DOCUMENT_IDS_KWARG] = local["document_ids"]
-    return inputs, local["labels"]

@@ -6,7 +6,7 @@ on this rank's slice of the sequence, then calls
 attention_mask, scaling=..., dropout=..., **kwargs)`` with q, k, v laid out
 ``(batch, heads, seq/sp, head_dim)``. Registered under :data:`ATTN_IMPLEMENTATION`,
 :func:`ulysses_attention_forward` hands them to the module's
-:class:`UlyssesCore`: a :class:`~ulysses_dtensor.ulysses.UlyssesAttention`-
+:class:`UlyssesCore`: a :class:`~ulysses_dtensor.parallel.ulysses.UlyssesAttention`-
 parallelized local attention, which exchanges to ``heads/sp`` heads of the full
 sequence, attends, and exchanges back.
 
@@ -169,7 +169,7 @@ def _ring_core(q, k, v, mesh, document_ids, scale, window, softcap, sinks) -> Te
     head dim: MLA's narrower v is padded with zeros and the output cropped (the
     scores, hence the softmax, do not see v), a narrower q/k padded with zeros
     (scores unchanged; the scale is the model's own, passed explicitly)."""
-    from ..ring import refused_pattern, ring_attention
+    from ..parallel.ring import refused_pattern, ring_attention
 
     for name, value in (("window", window), ("softcap", softcap), ("sinks", sinks)):
         if value is not None:  # parallelize_hf_model refuses these models; a defence in depth

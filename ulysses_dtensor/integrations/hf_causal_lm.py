@@ -50,11 +50,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..ring_layout import layout_position_ids
+from ..parallel.ring_layout import layout_position_ids
 from .hf_attention import DOCUMENT_IDS_KWARG
 from .hf_moe import router_aux_loss_share
-from .hf_rope import rope_inv_freq, rope_support, set_rotary
 from .hf_output_head import OutputHead, SPOutputHead, _is_fake, check_output_head
+from .hf_rope import rope_inv_freq, rope_support, set_rotary
 
 __all__ = [
     "CausalLMShape",
@@ -400,7 +400,7 @@ def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1
     interface of our Llama, in place; returns it.
 
     Args:
-        pmesh: the :class:`~ulysses_dtensor.mesh.ParallelMesh` it was parallelized
+        pmesh: the :class:`~ulysses_dtensor.parallel.mesh.ParallelMesh` it was parallelized
             on (default position ids are then this rank's global ones); None for
             a model in one process.
         loss_chunks: with labels, compute logits + loss over this many sequence

@@ -24,24 +24,12 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+from .hf_weights import load_transformers_weights, unique_state_dict
+
 __all__ = ["load_hf_weights", "save_hf_weights", "reset_rotary_buffers"]
-
-
-def _unique_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """``model.state_dict()`` with tied tensors once, under their first name
-    (transformers saves a tied output embedding only as the input embedding)."""
-    seen: set[int] = set()
-    out = {}
-    # keep_vars: the parameter objects themselves, so tied ones are recognised.
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        out[name] = tensor.detach()  # shares storage: loading writes into the parameter
-    return out
 
 
 def reset_rotary_buffers(model: nn.Module) -> None:
@@ -62,8 +50,6 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     by one) are converted the same way; buffers no checkpoint holds (rotary
     ``inv_freq``, ...) are recomputed afterwards. See :mod:`.hf_weights`.
     """
-    from .hf_weights import load_transformers_weights
-
     load_transformers_weights(model, path)
 
 
@@ -75,7 +61,7 @@ def save_hf_weights(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
     merges them. ``dtype`` converts floating tensors first (e.g. ``torch.bfloat16``
     for float32 master weights). Call it on every rank.
     """
-    state = _unique_state_dict(model)
+    state = unique_state_dict(model)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     # One output file, index 1: the consolidated name is then transformers' default.

@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..documents import segment_ids
-from ..mesh import divisors
-from ..ulysses import _all_to_all, _heads_to_seq_local
+from ..parallel.documents import segment_ids
+from ..parallel.mesh import divisors
+from ..parallel.ulysses import _all_to_all, _heads_to_seq_local
 from .gated_delta import causal_conv_documents, chunk_gated_delta_rule_documents
 from .hf_attention import CallState, call_document_ids
 from .mixer_style import UlyssesMixerStyle
@@ -123,7 +123,7 @@ def check_gated_delta_heads(name: str, module: nn.Module, sp: int) -> None:
 def _seq_to_heads_mixed(parts: list[Tensor], mesh: DeviceMesh) -> list[Tensor]:
     """(B, s, h_i, d_i) sequence shards -> (B, s*P, h_i/P, d_i) head shards, one all-to-all.
 
-    Like :func:`~ulysses_dtensor.ulysses._seq_to_heads_local`, but the tensors
+    Like :func:`~ulysses_dtensor.parallel.ulysses._seq_to_heads_local`, but the tensors
     may differ in head dim: each destination's chunk of each tensor is
     flattened and the chunks are concatenated.
     """

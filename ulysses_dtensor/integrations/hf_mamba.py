@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..documents import segment_ids
-from ..mesh import divisors
-from ..ulysses import _heads_to_seq_local, _seq_to_heads_local
+from ..parallel.documents import segment_ids
+from ..parallel.mesh import divisors
+from ..parallel.ulysses import _heads_to_seq_local, _seq_to_heads_local
 from .gated_delta import causal_conv_documents
 from .hf_attention import CallState, call_document_ids
 from .mixer_style import UlyssesMixerStyle

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..memory.tiling import _tiles, auto_num_tiles
 from ..models.norm import rms_norm
-from ..tensor_parallel import sum_grad_over
-from ..tiling import _tiles, auto_num_tiles
+from ..parallel.tensor_parallel import sum_grad_over
 
 __all__ = ["PER_TOKEN_BLOCK_NAMES", "LeanRMSNorm", "TiledPerToken", "lean_norms", "norm_formula", "per_token_block", "per_token_blocks", "per_token_width",
            "tile_per_token_blocks"]
@@ -57,7 +57,7 @@ class TiledPerToken:
     """Mixed into a per-token block's class: ``forward`` over tiles of the tokens.
 
     ``sp_num_tiles``: 1 runs the block whole; n > 1 over n tiles; None picks
-    the count from the shapes (:func:`~ulysses_dtensor.tiling.auto_num_tiles`
+    the count from the shapes (:func:`~ulysses_dtensor.memory.tiling.auto_num_tiles`
     with ``sp_tile_width``, the block's intermediate width per token).
     """
 

@@ -98,7 +98,7 @@ def rope_support(model: nn.Module) -> RopeSupport:
 def _config_with(text_config, rope: RopeConfig, extras: dict):
     """A copy of ``text_config`` whose rope is ``rope`` (what a config.json written by
     :func:`export_rope_fields` loads as)."""
-    from ..models.hf_checkpoint import hf_rope_fields
+    from ..models.llama_checkpoint import hf_rope_fields
 
     config = copy.deepcopy(text_config)
     config.rope_parameters = {**extras, **rope.parameters()}
@@ -158,9 +158,9 @@ def set_rotary(module: nn.Module, inv_freq: Tensor, scaling: float) -> None:
 def export_rope_fields(config: dict, rope: RopeConfig, *, trained_len: int) -> tuple[dict, str | None]:
     """``config`` (a transformers config.json dict; a multimodal one's rope is in its
     ``text_config``) with ``rope`` written so that transformers computes it, and
-    ``max_position_embeddings`` per :func:`~ulysses_dtensor.models.hf_checkpoint.hf_rope_fields`;
+    ``max_position_embeddings`` per :func:`~ulysses_dtensor.models.llama_checkpoint.hf_rope_fields`;
     family keys (``partial_rotary_factor``, ``mrope_section``) kept. Returns (config, note)."""
-    from ..models.hf_checkpoint import hf_rope_fields
+    from ..models.llama_checkpoint import hf_rope_fields
 
     config = dict(config)
     holder = config

@@ -15,8 +15,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..mesh import divisors
-from ..ulysses import _heads_to_seq_local, _seq_to_heads_local
+from ..parallel.mesh import divisors
+from ..parallel.ulysses import _heads_to_seq_local, _seq_to_heads_local
 from .gated_delta import causal_conv_documents
 from .hf_attention import CallState
 from .hf_mamba import _refuse_inputs, _segments

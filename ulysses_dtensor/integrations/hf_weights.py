@@ -34,10 +34,24 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["init_non_persistent_buffers", "load_transformers_weights", "weight_conversions"]
+__all__ = ["init_non_persistent_buffers", "load_transformers_weights", "unique_state_dict", "weight_conversions"]
 
 # Tensors some checkpoints carry that no model loads (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def unique_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with tied tensors once, under their first name
+    (transformers saves a tied output embedding only as the input embedding)."""
+    seen: set[int] = set()
+    out = {}
+    # keep_vars: the parameter objects themselves, so tied ones are recognised.
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out[name] = tensor.detach()  # shares storage: loading writes into the parameter
+    return out
 
 
 def weight_conversions(model: nn.Module) -> list:
@@ -101,7 +115,11 @@ class _Files:
 
 def _conversion_plan(model, targets: dict[str, Tensor], file_keys: list[str], conversions) -> tuple[dict, list]:
     """target name -> (transform with its source keys collected), and the file keys no target takes."""
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
 
     renamings = [t for t in conversions if isinstance(t, WeightRenaming)]
     converters = [t for t in conversions if isinstance(t, WeightConverter)]
@@ -124,7 +142,7 @@ def _conversion_plan(model, targets: dict[str, Tensor], file_keys: list[str], co
 def _load_converted(model, files: _Files, pending: dict[str, Tensor], file_keys: list[str], conversions,
                     path) -> list[str]:
     """Fill ``pending`` (converted targets) in place; return the file keys they did not use."""
-    from ..models.hf_checkpoint import HFCheckpointError
+    from ..models.llama_checkpoint import HFCheckpointError
 
     plan, unused = _conversion_plan(model, pending, file_keys, conversions)
     done = set()
@@ -163,22 +181,20 @@ def load_transformers_weights(model: nn.Module, path: str | os.PathLike, *, conv
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from ..models.hf_checkpoint import (
+    from ..models.llama_checkpoint import (
         HFCheckpointError,
         checkpoint_tensor_shapes,
         quiet_single_process,
         require_safetensors,
         safetensors_files,
     )
-    from .hf_checkpoint import _unique_state_dict
-
     from .lora import base_name, is_adapter_param
 
     require_safetensors()
     path = Path(path)
     # By the checkpoint's names: a LoRA layer holds its base weight as ...base_layer.weight,
     # and its adapters are nowhere in the checkpoint.
-    state = {base_name(k): v for k, v in _unique_state_dict(model).items() if not is_adapter_param(k)}
+    state = {base_name(k): v for k, v in unique_state_dict(model).items() if not is_adapter_param(k)}
     shapes = checkpoint_tensor_shapes(path)
     direct = {k: v for k, v in state.items() if k in shapes}
     wrong = [f"{k} {tuple(shapes[k])} (the model's is {tuple(v.shape)})" for k, v in direct.items()

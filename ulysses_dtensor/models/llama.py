@@ -3,7 +3,7 @@
 Every block works on this rank's slice of the sequence, ``(batch, seq/sp, dim)``.
 The only place that needs the whole sequence is ``attention.inner`` (a
 :class:`~ulysses_dtensor.attention.LocalAttention`), which is what
-:class:`~ulysses_dtensor.ulysses.UlyssesAttention` is applied to.
+:class:`~ulysses_dtensor.parallel.ulysses.UlyssesAttention` is applied to.
 
 Rotary embeddings (``rope.py``) are computed on the fly from ``position_ids``
 and applied on the local slice before the exchange. With global position ids
@@ -36,14 +36,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import LocalAttention, check_backend
-from ..loss import sp_cross_entropy
-from ..mesh import ring_degree
-from ..ring_layout import layout_position_ids
-from ..suggest import unknown_name
+from ..memory.tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
+from ..parallel.loss import sp_cross_entropy
+from ..parallel.mesh import ring_degree
+from ..parallel.ring_layout import layout_position_ids
+from ..runtime.suggest import unknown_name
 from .init import init_param
 from .norm import RMSNorm
-from .rope import LLAMA31_ROPE, ROPE_LAYOUTS, RopeConfig, apply_rope, rope_cos_sin, rope_frequencies
-from ..tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
+from .rope import (
+    LLAMA31_ROPE,
+    ROPE_LAYOUTS,
+    RopeConfig,
+    apply_rope,
+    rope_cos_sin,
+    rope_frequencies,
+)
 
 __all__ = [
     "FLAVORS",
@@ -397,7 +404,7 @@ class Llama(nn.Module):
         With ``labels`` (shifted, this rank's slice) it returns this rank's
         share of the global token-mean cross entropy: the local sum divided by
         ``num_valid_tokens``, the valid-label count of the WHOLE global batch
-        (see :func:`~ulysses_dtensor.loss.count_valid_tokens`). This is the
+        (see :func:`~ulysses_dtensor.parallel.loss.count_valid_tokens`). This is the
         path the tiled loss takes.
         """
         h = self._hidden(input_ids, position_ids, document_ids)

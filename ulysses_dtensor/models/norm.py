@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..tensor_parallel import sum_grad_over
+from ..parallel.tensor_parallel import sum_grad_over
 
 __all__ = ["RMSNorm", "rms_norm"]
 

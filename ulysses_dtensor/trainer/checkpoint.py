@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..lost_peer import is_peer_failure
+from ..runtime.lost_peer import is_peer_failure
 
 __all__ = ["CheckpointManager", "CheckpointError", "COMPLETE_MARKER", "MODEL_INFO_FILE", "complete_steps",
            "load_model_weights"]

@@ -21,7 +21,12 @@ import contextlib
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..lost_peer import PeerLostError, is_peer_failure, peer_lost, set_collective_timeout
+from ..runtime.lost_peer import (
+    PeerLostError,
+    is_peer_failure,
+    peer_lost,
+    set_collective_timeout,
+)
 from .config_schema import Comm
 
 __all__ = ["CommPhases"]

@@ -27,10 +27,8 @@ import sys
 from pathlib import Path
 
 from ..data import TOKENIZERS_EXTRA_MSG, SourceSpec
-from ..schedule import Stage
-from ..suggest import did_you_mean
+from ..runtime.suggest import did_you_mean
 from .config_checks import check_values, inactive_settings, model_args, validate_config
-from .data_config import SOURCES_CLI_HINT, SOURCES_TYPE_NAME, coerce_sources, parse_sources_cli
 from .config_schema import (
     _FIELD_TYPES,
     _FIELDS,
@@ -42,6 +40,13 @@ from .config_schema import (
     JobConfig,
     config_help,
 )
+from .data_config import (
+    SOURCES_CLI_HINT,
+    SOURCES_TYPE_NAME,
+    coerce_sources,
+    parse_sources_cli,
+)
+from .schedule import Stage
 
 if sys.version_info >= (3, 11):
     import tomllib

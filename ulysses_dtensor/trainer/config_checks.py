@@ -20,8 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..data import DATA_SUFFIXES, TOKENIZERS_EXTRA_MSG, data_files, data_suffix, is_store
-from ..suggest import did_you_mean
+from ..data import (
+    DATA_SUFFIXES,
+    TOKENIZERS_EXTRA_MSG,
+    data_files,
+    data_suffix,
+    is_store,
+)
+from ..runtime.suggest import did_you_mean
 from .config_schema import SOURCE_DEFAULT, ConfigError, JobConfig
 from .data_config import check_data_values, data_path_problem, packing_of
 from .hf_start import HF_IGNORED_MODEL_KEYS, hf_model_args, tokenizer_spec
@@ -291,7 +297,7 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
     ``weights=False`` (the memory planner): a transformers model's directory needs
     its config.json only, not its safetensors.
     """
-    from ..mesh import ParallelDims
+    from ..parallel.mesh import ParallelDims
 
     par = cfg.parallelism
     try:
@@ -327,8 +333,8 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
     from .rope_stages import stage_ropes
 
     stage_ropes(cfg, args)  # every stage's rope_theta / rope_scaling (ConfigError)
-    from ..tensor_parallel import check_tp_heads
-    from ..ulysses import kv_replication
+    from ..parallel.tensor_parallel import check_tp_heads
+    from ..parallel.ulysses import kv_replication
 
     model = f"model.hf_path={cfg.model.hf_path!r}" if cfg.model.hf_path else f"model.flavor={cfg.model.flavor!r}"
     if dims.tp > 1:
@@ -362,8 +368,8 @@ def _check_ring(cfg: JobConfig, schedule, dims) -> None:
     """Ring attention: sequence lengths its layout can split, a backend it can run."""
     if dims.ring == 1:
         return
-    from ..ring import RING_BACKENDS
-    from ..ring_layout import seq_multiple
+    from ..parallel.ring import RING_BACKENDS
+    from ..parallel.ring_layout import seq_multiple
 
     unit = seq_multiple(dims.sp, dims.ring)
     for i, st in enumerate(schedule.stages):

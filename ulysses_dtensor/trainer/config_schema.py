@@ -15,7 +15,7 @@ from pathlib import Path
 from ..attention import BACKENDS
 from ..data.mixture import SourceSpec
 from ..evaluation.tasks import TASKS as EVAL_TASKS
-from ..schedule import DECAYS, ContextSchedule, Stage
+from .schedule import DECAYS, ContextSchedule, Stage
 
 # Where a key's value came from; a later source overrides an earlier one.
 SOURCE_DEFAULT, SOURCE_TOML, SOURCE_CLI = 0, 1, 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..data import DATA_SUFFIXES, SourceSpec, data_files, data_suffix, is_store
-from ..suggest import did_you_mean
+from ..runtime.suggest import did_you_mean
 from .config_schema import ConfigError, JobConfig
 
 __all__ = ["coerce_sources", "parse_sources_cli", "check_data_values", "data_path_problem", "packing_of",

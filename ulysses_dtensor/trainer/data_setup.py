@@ -24,15 +24,16 @@ from ..data import (
     Prefetcher,
     SourceSpec,
     StepLoader,
-    TokenStream,
     TokenizedSource,
+    TokenStream,
     Upsampled,
     as_token_docs,
     build_source,
 )
-from ..data.sft import long_samples, open_source
+from ..data.checks import DataError, check_corpus
+from ..data.sft import long_samples
+from ..data.sources import open_source
 from ..data.token_docs import TokenDocs
-from ..data_checks import DataError, check_corpus
 from .config_schema import JobConfig
 from .data_config import packing_of
 from .eval_setup import held_out_error, split_for_eval
@@ -240,7 +241,7 @@ def _index_over_world(docs: TokenizedSource) -> None:
 
 
 def _open(cfg: JobConfig, key: str, path: str):
-    """The documents of ``path`` as ``data.format`` reads them (:func:`~..data.sft.open_source`),
+    """The documents of ``path`` as ``data.format`` reads them (:func:`~..data.sources.open_source`),
     its messages naming the config key (a source without documents, a store without a
     manifest or of another format, no chat template)."""
     d = cfg.data

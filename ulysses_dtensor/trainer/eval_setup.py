@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..data import DataError, DocumentSource
-from ..data_checks import check_corpus
+from ..data.checks import check_corpus
 from ..evaluation import report
 from ..evaluation.heldout import split_held_out
 from ..evaluation.runner import EvalResult, Evaluator, spec_from
@@ -46,7 +46,7 @@ def split_for_eval(cfg: JobConfig, source: DocumentSource) -> tuple[DocumentSour
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if ev.data_path:  # read like the training data (data.format: SFT targets)
-        from ..data.sft import open_source
+        from ..data.sources import open_source
         from .hf_start import tokenizer_spec
 
         return source, open_source(ev.data_path, cfg.data.format, tokenizer_spec(cfg), cfg.data.text_key,
@@ -165,8 +165,8 @@ def model_for_eval(cfg: JobConfig, pmesh, device: torch.device, vocab_size: int,
     checkpoint's (``{"step": 0}`` for an HF model). A checkpoint's model gets the
     rope it trained with (its context stage's).
     """
+    from .build import build_model
     from .checkpoint import load_model_weights
-    from .loop import build_model
 
     if checkpoint is None:
         return build_model(cfg, pmesh, vocab_size, device, init_weights=True), {"step": 0}

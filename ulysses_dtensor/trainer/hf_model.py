@@ -39,7 +39,9 @@ anything starts.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -50,6 +52,7 @@ __all__ = [
     "Implementation",
     "build_transformers_model",
     "check_transformers_model",
+    "model_info",
     "resolve_implementation",
     "transformers_args",
     "uses_transformers",
@@ -74,7 +77,7 @@ def resolve_implementation(cfg) -> Implementation:
         return Implementation("native", f"model.flavor={m.flavor!r}")
     if m.implementation != "auto":
         return Implementation(m.implementation, f"model.implementation={m.implementation!r}")
-    from ..models.hf_checkpoint import HFCheckpointError, args_from_hf_config
+    from ..models.llama_checkpoint import HFCheckpointError, args_from_hf_config
     from .hf_start import hf_source_config
 
     source = hf_source_config(cfg)
@@ -145,7 +148,7 @@ def check_transformers_model(cfg, dims, *, weights: bool = True) -> None:
     needs config.json alone), the integration accepts its structure at this sp and
     ring degree with the memory switches asked for, and its head is one the trainer
     computes. One ConfigError naming the model class, the key and the value."""
-    from ..models.hf_checkpoint import HFCheckpointError, safetensors_files
+    from ..models.llama_checkpoint import HFCheckpointError, safetensors_files
 
     config = _hf_config(cfg)
     if getattr(config, "quantization_config", None):
@@ -166,9 +169,9 @@ def check_transformers_model(cfg, dims, *, weights: bool = True) -> None:
         why = str(e).split("\nModel type should be one of")[0]  # not the list of every class
         raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {why}") from None
     from ..integrations.hf import _check_model, check_ring_model, check_tp_model
-    from ..integrations.hf_memory import per_token_blocks
     from ..integrations.hf_attention import check_backend_for_patterns, model_patterns
     from ..integrations.hf_causal_lm import router_aux_setup
+    from ..integrations.hf_memory import per_token_blocks
     from ..integrations.hf_output_head import check_output_head
     from ..integrations.hf_rope import rope_support
     from .rope_stages import stage_ropes
@@ -214,8 +217,11 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
     else left for a checkpoint to fill), with the trainer's call interface."""
     from ..integrations.hf import parallelize_hf_model
     from ..integrations.hf_causal_lm import adapt_causal_lm
-    from ..integrations.hf_weights import init_non_persistent_buffers, load_transformers_weights, weight_conversions
-
+    from ..integrations.hf_weights import (
+        init_non_persistent_buffers,
+        load_transformers_weights,
+        weight_conversions,
+    )
     from .lora_setup import apply_lora, uses_lora
 
     model = _meta_model(_hf_config(cfg), n_layers)
@@ -259,7 +265,12 @@ def _shard_vision(model, pmesh, param_dtype, reduce_dtype, offload_params: bool)
     """Freeze a multimodal model's vision tower and make it an FSDP group of its own:
     text-only steps never call it, so it is never gathered (in the root group it
     would be, every step, whole). Its shards live where the others do."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     from ..integrations.hf_causal_lm import freeze_vision_modules
 
@@ -267,3 +278,21 @@ def _shard_vision(model, pmesh, param_dtype, reduce_dtype, offload_params: bool)
     policy = CPUOffloadPolicy(pin_memory=pmesh.param_mesh.device_type == "cuda") if offload_params else OffloadPolicy()
     for module in freeze_vision_modules(model):
         fully_shard(module, mesh=pmesh.param_mesh, mp_policy=mp, offload_policy=policy)
+
+
+def model_info(cfg, args) -> dict:
+    """What an export needs to know about the trained model (``model.json``)."""
+    from .hf_start import hf_source_config, tokenizer_spec
+    from .lora_setup import lora_info
+
+    hf_path = cfg.model.hf_path or None
+    tok = tokenizer_spec(cfg)
+    return {
+        "implementation": resolve_implementation(cfg).name,
+        "args": dataclasses.asdict(args),
+        "hf_path": str(Path(hf_path).resolve()) if hf_path else None,
+        "hf_config": hf_source_config(cfg) if hf_path else None,
+        "tokenizer": tok if tok == "byte" else str(Path(tok).resolve()),
+        "max_seq_len": max(s.seq_len for s in cfg.stages()),
+        "lora": lora_info(cfg),  # None: every weight in the checkpoint; else the adapters only
+    }

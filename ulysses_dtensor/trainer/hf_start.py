@@ -12,7 +12,6 @@ the user set them in the same or a later source than ``hf_path``.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from .config_schema import SOURCE_DEFAULT, ConfigError
@@ -21,7 +20,6 @@ __all__ = [
     "HF_IGNORED_MODEL_KEYS",
     "hf_model_args",
     "hf_source_config",
-    "model_info",
     "tokenizer_spec",
 ]
 
@@ -34,7 +32,7 @@ HF_IGNORED_MODEL_KEYS = (
 
 def hf_source_config(cfg) -> dict:
     """The parsed ``hf_path/config.json`` (ConfigError if it cannot be read)."""
-    from ..models.hf_checkpoint import HFCheckpointError, read_hf_config
+    from ..models.llama_checkpoint import HFCheckpointError, read_hf_config
 
     try:
         return read_hf_config(cfg.model.hf_path)
@@ -44,7 +42,11 @@ def hf_source_config(cfg) -> dict:
 
 def hf_model_args(cfg):
     """LlamaArgs from ``hf_path/config.json``, or a ConfigError naming what is unsupported."""
-    from ..models.hf_checkpoint import HFCheckpointError, args_from_hf_config, safetensors_files
+    from ..models.llama_checkpoint import (
+        HFCheckpointError,
+        args_from_hf_config,
+        safetensors_files,
+    )
 
     where = f"model.hf_path={cfg.model.hf_path!r}: config.json"
     try:
@@ -65,21 +67,3 @@ def tokenizer_spec(cfg) -> str:
         if tok.is_file():
             return str(tok)
     return d.tokenizer
-
-
-def model_info(cfg, args) -> dict:
-    """What an export needs to know about the trained model (``model.json``)."""
-    from .hf_model import resolve_implementation
-    from .lora_setup import lora_info
-
-    hf_path = cfg.model.hf_path or None
-    tok = tokenizer_spec(cfg)
-    return {
-        "implementation": resolve_implementation(cfg).name,
-        "args": dataclasses.asdict(args),
-        "hf_path": str(Path(hf_path).resolve()) if hf_path else None,
-        "hf_config": hf_source_config(cfg) if hf_path else None,
-        "tokenizer": tok if tok == "byte" else str(Path(tok).resolve()),
-        "max_seq_len": max(s.seq_len for s in cfg.stages()),
-        "lora": lora_info(cfg),  # None: every weight in the checkpoint; else the adapters only
-    }

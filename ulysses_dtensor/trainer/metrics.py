@@ -13,7 +13,7 @@ Three kinds of figure, and the field names say which:
 * timing: ``step_time``, ``time``, ``tps`` (global tokens/s), ``mfu``, and with
   sp > 1 (eager) rank 0's time in the Ulysses all-to-alls (``exchange_ms``,
   split ``exchange_fwd_ms`` / ``exchange_bwd_ms``) and its share of the step's
-  wall time (``exchange_share``); see :mod:`ulysses_dtensor.comm_timing`.
+  wall time (``exchange_share``); see :mod:`ulysses_dtensor.parallel.comm_timing`.
 
 From the global tokens of the step (``batch_size x seq_len``), its wall time and
 the world size::

@@ -77,7 +77,7 @@ def train_step(
             ``"clip"``, ``"optimizer"`` and ``"zero_grad"`` as the step enters
             each phase (the memory planner attributes memory to phases).
     """
-    from ..parallelize import clip_grad_norm_
+    from ..models.llama_parallelize import clip_grad_norm_
 
     def phase(name: str) -> None:
         if on_phase is not None:

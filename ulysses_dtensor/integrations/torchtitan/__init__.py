@@ -34,11 +34,11 @@ _EXPORTS = {
     "UlyssesConfig": ".trainer",
     "UlyssesTrainer": ".trainer",
     "UlyssesValidator": ".trainer",
-    "UlyssesMetricsProcessor": ".metrics",
+    "UlyssesMetricsProcessor": ".metrics_processor",
     "UlyssesInnerAttention": ".attention",
     "parallelize_ulysses": ".parallelize",
     "ulysses_model_spec": ".parallelize",
-    "shard_for_sp": ".batch",
+    "shard_for_sp": ".sp_batch",
     "ulysses_config": ".config_registry",
 }
 

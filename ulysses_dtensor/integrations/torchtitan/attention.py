@@ -69,7 +69,7 @@ class UlyssesInnerAttention(Module):
         if attention_masks is not None and not isinstance(attention_masks, Tensor):
             raise TypeError(
                 "UlyssesInnerAttention takes attention_masks as (batch, seq) document ids "
-                f"(ulysses_dtensor.integrations.torchtitan.batch builds them), got "
+                f"(ulysses_dtensor.integrations.torchtitan.sp_batch builds them), got "
                 f"{type(attention_masks).__name__}"
             )
         return local_attention(

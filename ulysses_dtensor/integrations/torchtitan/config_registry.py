@@ -19,7 +19,7 @@ from torchtitan.models.llama3 import config_registry as llama3
 from torchtitan.models.qwen3 import config_registry as qwen3
 from torchtitan.trainer import Trainer
 
-from .metrics import max_loss_config
+from .metrics_processor import max_loss_config
 from .trainer import UlyssesConfig, UlyssesTrainer, UlyssesValidator
 
 __all__ = [

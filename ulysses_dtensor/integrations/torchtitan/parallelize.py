@@ -35,15 +35,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import parallelize_module
-from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import (
+    TORCH_DTYPE_MAP,
+    CompileConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.models.deepseek_v3.mtp import apply_fsdp_to_mtp_decoder
 from torchtitan.protocols.model_spec import ModelSpec
 
-from ...tensor_parallel import check_tp_heads
-from ...ulysses import UlyssesAttention, kv_replication
+from ...parallel.tensor_parallel import check_tp_heads
+from ...parallel.ulysses import UlyssesAttention, kv_replication
 
 __all__ = [
     "check_heads",

@@ -35,13 +35,13 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ...attention import BACKENDS
-from ...mesh import divisors
-from ...suggest import unknown_name
+from ...parallel.mesh import divisors
+from ...runtime.suggest import unknown_name
 from ._torch_compat import ensure_microbatch_step, ensure_set_timeout
 from .attention import OVERRIDE_TARGET
-from .batch import shard_for_sp
-from .metrics import UlyssesMetricsProcessor, max_loss_config
+from .metrics_processor import UlyssesMetricsProcessor, max_loss_config
 from .parallelize import check_parallelism, ulysses_model_spec
+from .sp_batch import shard_for_sp
 
 __all__ = [
     "ATTENTION_BACKENDS",

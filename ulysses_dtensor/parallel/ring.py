@@ -3,7 +3,7 @@
 USP: ``sp = ring x ulysses``. The Ulysses all-to-all runs over the ``ulysses``
 ranks (inside a node) and leaves each rank ``S / ring`` tokens of
 ``H / ulysses`` heads: one ring block, laid out as two mirrored chunks
-(:mod:`~ulysses_dtensor.ring_layout`). Ring attention passes the k/v blocks
+(:mod:`~ulysses_dtensor.parallel.ring_layout`). Ring attention passes the k/v blocks
 around the ``ring`` ranks (across nodes); each rank attends its queries to every
 block in turn and merges the partial outputs by their log-sum-exp (LSE), in
 place. Per layer a rank sends ``ring - 1`` k/v blocks forward; backward sends
@@ -35,7 +35,7 @@ What is PyTorch's and what is ours
 ----------------------------------
 Reused: the LSE-returning kernels (SDPA's CPU flash kernel and its backward,
 which take GQA k/v; on CUDA SDPA's flash / memory-efficient ops and
-``torch.nn.attention.varlen``'s ops, :mod:`~ulysses_dtensor.ring_kernels`),
+``torch.nn.attention.varlen``'s ops, :mod:`~ulysses_dtensor.parallel.ring_kernels`),
 functional collectives, and ``_HeadTailLoadBalancer`` for the layout.
 
 Written here, the loop (forward and backward) and the merge. torch's
@@ -60,10 +60,16 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .attention import FEATURES, LocalAttention, local_attention
+from ..attention import FEATURES, LocalAttention, local_attention
 from .documents import cached_for_documents
 from .ring_kernels import PairKernel, kernel_for, pair_backward, pair_forward
-from .ring_layout import Documents, layout_indices, layout_position_ids, original_segment_ids, seq_multiple
+from .ring_layout import (
+    Documents,
+    layout_indices,
+    layout_position_ids,
+    original_segment_ids,
+    seq_multiple,
+)
 
 __all__ = [
     "RING_BACKENDS",
@@ -410,7 +416,7 @@ class RingAttention(ParallelStyle):
 
     ``parallelize_module(inner, pmesh.ring, RingAttention())`` returns the
     module to use in its place (assign it). Apply it BEFORE
-    :class:`~ulysses_dtensor.ulysses.UlyssesAttention` on the ulysses mesh, whose
+    :class:`~ulysses_dtensor.parallel.ulysses.UlyssesAttention` on the ulysses mesh, whose
     hooks then wrap the ring. A size-1 mesh returns the module unchanged.
     """
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    ActivationWrapper,
+)
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 

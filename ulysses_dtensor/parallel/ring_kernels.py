@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention.select import FLASH_DTYPES, FLASH_MAX_HEAD_DIM, flash_head_dim
+from ..attention.select import FLASH_DTYPES, FLASH_MAX_HEAD_DIM, flash_head_dim
 
 __all__ = ["PairKernel", "kernel_for", "pair_backward", "pair_forward"]
 

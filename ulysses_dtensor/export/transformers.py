@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .models.hf_checkpoint import HFCheckpointError, quiet_single_process
+from ..models.llama_checkpoint import HFCheckpointError, quiet_single_process
 
 __all__ = ["export_transformers_checkpoint"]
 
@@ -37,7 +37,7 @@ _LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
 def _meta_model(source: dict):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from .integrations.hf_causal_lm import auto_model_class
+    from ..integrations.hf_causal_lm import auto_model_class
 
     model_type = source.get("model_type")
     if model_type not in CONFIG_MAPPING:
@@ -78,8 +78,8 @@ def _raise_max_len(config: dict, max_len: int) -> dict:
 def _trained_config(model, source: dict, info: dict) -> tuple[dict, str | None]:
     """The source config.json with the rope the checkpoint trained with last (when a
     context stage changed it) and max_position_embeddings raised to the longest trained."""
-    from .integrations.hf_rope import export_rope_fields, rope_support
-    from .models.rope import RopeConfig
+    from ..integrations.hf_rope import export_rope_fields, rope_support
+    from ..models.rope import RopeConfig
 
     max_len = int(info.get("max_seq_len") or 0)
     trained = RopeConfig.from_dict(info["rope"]) if info.get("rope") else None
@@ -95,8 +95,8 @@ def export_transformers_checkpoint(ckpt: Path, out: Path, info: dict, *, dtype: 
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
-    from .export import DTYPES, _copy_tokenizer, parse_size
-    from .integrations.hf_checkpoint import _unique_state_dict
+    from ..integrations.hf_weights import unique_state_dict
+    from .files import DTYPES, copy_tokenizer, parse_size
 
     source = info.get("hf_config")
     if not source:
@@ -106,7 +106,7 @@ def export_transformers_checkpoint(ckpt: Path, out: Path, info: dict, *, dtype: 
         raise HFCheckpointError(f"--dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     torch_dtype, max_bytes = DTYPES[dtype], parse_size(max_shard_size)
     model = _meta_model(source)
-    meta = _unique_state_dict(model)  # the checkpoint's names; a tied head once
+    meta = unique_state_dict(model)  # the checkpoint's names; a tied head once
     if out.is_dir() and any(out.glob("*.safetensors")):
         raise HFCheckpointError(
             f"--out {str(out)!r} already holds *.safetensors files (a loader would mix them with "
@@ -149,7 +149,7 @@ def export_transformers_checkpoint(ckpt: Path, out: Path, info: dict, *, dtype: 
     config, note = _trained_config(model, source, info)
     config.update(dtype=dtype, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    copied = _copy_tokenizer(info, out)
+    copied = copy_tokenizer(info, out)
     print(f"exported {ckpt} -> {out}: {type(model).__name__} (transformers), {written} tensors, "
           f"{total / 1e6:.1f} MB {dtype} in {len(files)} file(s); tokenizer files: {', '.join(copied) or 'none'}")
     if note:

@@ -22,7 +22,7 @@ Order, per transformer block, and why:
 Parameters are sharded over the flattened ``dp_shard x sp`` mesh (the sp ranks
 of a group hold the same parameters) and replicated over ``dp_replicate``
 (HSDP). With ``tp > 1`` the blocks' projections are first split over the ``tp``
-ranks (:mod:`~ulysses_dtensor.tensor_parallel`), and FSDP shards the tp shards. The loss from :func:`~ulysses_dtensor.loss.sp_cross_entropy` is each
+ranks (:mod:`~ulysses_dtensor.parallel.tensor_parallel`), and FSDP shards the tp shards. The loss from :func:`~ulysses_dtensor.parallel.loss.sp_cross_entropy` is each
 rank's share of the global token mean, so gradients must be SUMMED over every
 rank: FSDP2 averages by default, so every FSDP module gets a divide factor of
 1 and sum-only collectives (which gloo also supports).
@@ -48,12 +48,12 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from .mesh import ParallelMesh
-from .offload import HostOffloader, OffloadedCheckpointBlock
-from .ring import RingAttention
-from .suggest import unknown_name
-from .tensor_parallel import LLAMA_TP_PLAN, check_tp_heads, tensor_parallelize
-from .ulysses import UlyssesAttention, kv_replication
+from ..memory.offload import HostOffloader, OffloadedCheckpointBlock
+from ..parallel.mesh import ParallelMesh
+from ..parallel.ring import RingAttention
+from ..parallel.tensor_parallel import LLAMA_TP_PLAN, check_tp_heads, tensor_parallelize
+from ..parallel.ulysses import UlyssesAttention, kv_replication
+from ..runtime.suggest import unknown_name
 
 __all__ = ["AC_MODES", "check_memory_options", "clip_grad_norm_", "needs_rng_replay", "parallelize_llama"]
 
@@ -300,7 +300,9 @@ def _check_compile_backend(name: str) -> None:
 
 
 def _checkpoint(block: nn.Module, preserve_rng_state: bool = False, **kwargs) -> nn.Module:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     # Non-reentrant: composes with FSDP2's hooks and with torch.compile.
     return checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state, **kwargs)
@@ -330,7 +332,10 @@ def _sac_save_ops() -> set:
 
 def _op_sac_context():
     """Selective AC policy: save attention, collectives and every other matmul."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        create_selective_checkpoint_contexts,
+    )
 
     save = _sac_save_ops()
     mm = torch.ops.aten.mm.default

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .data import DataError, FileCorpus, TokenStore
-from .data.readers import (
+from . import DataError, FileCorpus, TokenStore
+from .readers import (
     data_suffix,
     decode_utf8,
     iter_file_records,
@@ -30,7 +30,7 @@ from .data.readers import (
     open_binary,
     record_text,
 )
-from .data.token_docs import TokenDocs
+from .token_docs import TokenDocs
 
 __all__ = ["DataError", "check_corpus", "check_files", "store_of"]
 

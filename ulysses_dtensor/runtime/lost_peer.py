@@ -28,7 +28,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.distributed_c10d import _rank_not_in_group, _set_pg_timeout, _world
+from torch.distributed.distributed_c10d import (
+    _rank_not_in_group,
+    _set_pg_timeout,
+    _world,
+)
 
 __all__ = ["PeerLostError", "is_peer_failure", "peer_lost", "set_collective_timeout"]
 

@@ -3,7 +3,7 @@
 The sp all-to-alls are the one cost sequence parallelism adds to a step, so
 their share of the step time is worth watching as its own metric. While an
 :class:`ExchangeTimer` is active (``with timer.active():``), every exchange of
-:mod:`ulysses_dtensor.ulysses` runs through a timed path:
+:mod:`ulysses_dtensor.parallel.ulysses` runs through a timed path:
 
 * CUDA: two events recorded on the current stream around the collective and its
   wait (the stream then waits for the NCCL kernel, so the end event fires when

@@ -3,7 +3,7 @@
 torchtitan's text datasets already shift labels WITHIN each document
 (``input = tokens[:-1]``, ``label = tokens[1:]`` per document), so every label
 is aligned with its input before anything is sliced: the rule of our
-:func:`~ulysses_dtensor.batch.shard_batch` (shift before slicing) holds by
+:func:`~ulysses_dtensor.parallel.batch.shard_batch` (shift before slicing) holds by
 construction, and this step only pads and slices. The rest follows
 ``shard_batch``:
 

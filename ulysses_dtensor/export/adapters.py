@@ -28,8 +28,18 @@ from pathlib import Path
 
 import torch
 
-from .integrations.lora import ADAPTER, LoraSpec, base_name, is_adapter_param, lora_delta
-from .models.hf_checkpoint import HFCheckpointError, quiet_single_process, safetensors_files
+from ..integrations.lora import (
+    ADAPTER,
+    LoraSpec,
+    base_name,
+    is_adapter_param,
+    lora_delta,
+)
+from ..models.llama_checkpoint import (
+    HFCheckpointError,
+    quiet_single_process,
+    safetensors_files,
+)
 
 __all__ = ["export_lora_checkpoint", "hf_name_of"]
 
@@ -50,8 +60,8 @@ def hf_name_of(info: dict):
     """Our checkpoint's parameter name -> transformers' in-memory name of the same parameter."""
     if info.get("implementation") == "transformers":
         return lambda name: name
-    from .models.hf_checkpoint import hf_names
-    from .models.llama import LlamaArgs
+    from ..models.llama import LlamaArgs
+    from ..models.llama_checkpoint import hf_names
 
     names = hf_names(LlamaArgs.from_dict(info["args"]))
 
@@ -86,14 +96,14 @@ def _spec(info: dict) -> LoraSpec:
 
 
 def _source_model(info: dict):
-    from .export_transformers import _meta_model
+    from .transformers import _meta_model
 
     return _meta_model(info["hf_config"])
 
 
 def _rope_changed(model, info: dict) -> bool:
-    from .integrations.hf_rope import rope_support
-    from .models.rope import RopeConfig
+    from ..integrations.hf_rope import rope_support
+    from ..models.rope import RopeConfig
 
     return bool(info.get("rope")) and RopeConfig.from_dict(info["rope"]) != rope_support(model).rope
 
@@ -160,7 +170,7 @@ def _write_merged(out: Path, info: dict, model, adapters: dict, whole: dict, dty
 def export_lora_checkpoint(ckpt: Path, out: Path, info: dict, *, merge: bool, dtype: str | None) -> Path:
     """Write ``out`` (a peft adapter directory, or with ``merge`` full weights) from the LoRA
     checkpoint ``ckpt``."""
-    from .export import DTYPES, _copy_tokenizer
+    from .files import DTYPES, copy_tokenizer
 
     if not info.get("hf_path") or not Path(info["hf_path"]).is_dir():
         raise HFCheckpointError(f"{ckpt} holds LoRA adapters of the base model.hf_path={info.get('hf_path')!r}, "
@@ -173,7 +183,7 @@ def export_lora_checkpoint(ckpt: Path, out: Path, info: dict, *, merge: bool, dt
     adapters, whole = _adapters(ckpt, info)
     out.mkdir(parents=True, exist_ok=True)
     if merge:
-        from .export_transformers import _trained_config
+        from .transformers import _trained_config
 
         n = _write_merged(out, info, model, adapters, whole, DTYPES[dtype] if dtype else None)
         config, note = _trained_config(model, info["hf_config"], info)
@@ -190,7 +200,7 @@ def export_lora_checkpoint(ckpt: Path, out: Path, info: dict, *, merge: bool, dt
         n = _write_adapter(out, info, adapters, whole, DTYPES[dtype or "float32"])
         what = f"peft adapter directory ({n} tensors: {len(adapters)} adapted modules, {len(whole)} saved whole)"
         note = None
-    copied = _copy_tokenizer(info, out)
+    copied = copy_tokenizer(info, out)
     print(f"exported {ckpt} -> {out}: {what} of {info['hf_path']}; tokenizer files: {', '.join(copied) or 'none'}")
     if note:
         print(f"note: {note}")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .loss import IGNORE_INDEX
+from ..parallel.loss import IGNORE_INDEX
 
 
 def auto_num_tiles(seq: int, width: int, hidden: int) -> int:
@@ -106,7 +106,7 @@ def tiled_cross_entropy_sum(
 
     Never materialises the ``(batch, seq, vocab)`` logits: each chunk's logits
     (and their gradient) exist only while that chunk is computed. Pair with
-    :func:`ulysses_dtensor.loss.sp_cross_entropy`'s normalisation by dividing
+    :func:`ulysses_dtensor.parallel.loss.sp_cross_entropy`'s normalisation by dividing
     by the global valid-token count (see :func:`tiled_sp_cross_entropy`).
     """
     seq = hidden.shape[1]
