@@ -1,9 +1,9 @@
-"""Measure every transformers family again and rewrite the checked-in results and the README table.
+"""Measure every transformers family again and rewrite the checked-in results and the docs' family table.
 
 Runs ``tests/test_family_matrix.py::test_full_matrix`` with ``ULYSSES_FAMILY_MATRIX_OUT`` (the
 pooled ranks measure every family of the installed transformers on every mesh it needs;
 the suite itself skips it and re-measures a sample only), writes ``ulysses_dtensor/integrations/family_results.json``, then
-``scripts/family_table.py`` rewrites the README's family table. Run it after a
+``scripts/family_table.py`` rewrites the family table of ``docs/transformers-models.md``. Run it after a
 transformers upgrade or a change to the integration that moves a family::
 
     python scripts/family_matrix.py            # a few minutes on 2 cores

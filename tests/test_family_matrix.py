@@ -23,7 +23,7 @@ against the installed code, cheaply:
   family check, and every decoder family refused by a structural check through
   ``parallelize_hf_model`` itself, with or without ``allow_untested``.
 
-(The README's family table is the generated one: ``tests/test_family_table.py``.)
+(The family table of docs/transformers-models.md is the generated one: ``tests/test_family_table.py``.)
 ``ULYSSES_FAMILY_MATRIX_OUT=<file>`` runs the full matrix instead
 (:func:`test_full_matrix`; ``scripts/family_matrix.py`` sets it).
 """

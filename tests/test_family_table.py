@@ -1,4 +1,4 @@
-"""scripts/family_table.py: the README's family table from the family matrix's results."""
+"""scripts/family_table.py: the family table of docs/transformers-models.md from the family matrix's results."""
 
 import json
 from pathlib import Path
@@ -30,12 +30,12 @@ def test_family_table_renders_the_results_and_rewrites_only_its_block(tmp_path):
     table = load_script(ROOT / "scripts" / "family_table.py")
     results = tmp_path / "results.json"
     results.write_text(json.dumps(_doc()))
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{table.BEGIN}\nstale\n{table.END}\noutro\n")
-    args = ["--results", str(results), "--readme", str(readme)]
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{table.BEGIN}\nstale\n{table.END}\noutro\n")
+    args = ["--results", str(results), "--page", str(page)]
     assert table.main([*args, "--check"]) == 1
     assert table.main(args) == 0
-    text = readme.read_text()
+    text = page.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{table.END}\noutro\n") and "stale" not in text
     assert "transformers 9.9.9" in text
     rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
@@ -51,6 +51,8 @@ def test_family_table_renders_the_results_and_rewrites_only_its_block(tmp_path):
     assert table.main([*args, "--check"]) == 0
 
 
-def test_readme_family_table_is_the_checked_in_results():
+def test_docs_family_table_is_the_checked_in_results():
     table = load_script(ROOT / "scripts" / "family_table.py")
-    assert table.main(["--check"]) == 0, "README's family table is stale: run python scripts/family_table.py"
+    assert table.PAGE == ROOT / "docs" / "transformers-models.md"
+    assert table.main(["--check"]) == 0, (
+        "docs/transformers-models.md's family table is stale: run python scripts/family_table.py")

@@ -506,7 +506,7 @@ def _file_norm(directory: Path) -> tuple[float, dict]:
 def test_example_hf_custom_loop_trains_loads_and_saves(tmp_path):
     """dp 2 x sp 2: makes a tiny Llama directory, loads it sharded, learns, saves an HF directory."""
     data = tmp_path / "docs.jsonl"
-    sources = [ROOT / "README.md", *sorted((ROOT / "ulysses_dtensor").glob("*.py"))[:6]]
+    sources = [ROOT / "README.md", *sorted((ROOT / "ulysses_dtensor").rglob("*.py"))[:6]]
     data.write_text("".join(json.dumps({"text": f.read_text()[:4000]}) + "\n" for f in sources))
     model_dir, save_dir = tmp_path / "tiny", tmp_path / "trained"
     argv = ["--model-dir", str(model_dir), "--make-tiny", "--data", str(data), "--sp", "2",

@@ -9,7 +9,7 @@ the test until it is classified):
 
 * invariant: equal on every mesh (exactly for counts, within fp32 noise for
   losses and norms);
-* per device: named ``*_per_device`` / ``*_per_rank`` and named in README.md;
+* per device: named ``*_per_device`` / ``*_per_rank`` and named in docs/metrics.md;
 * timing (wall clock) and the mesh description: not compared.
 
 The logged throughput is checked against its formula on every mesh: ``tps x
@@ -206,13 +206,13 @@ def test_every_invariant_figure_equals_one_process(runs):
 
 def test_per_device_figures_are_labelled(runs):
     _, out = runs
-    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "metrics.md").read_text()
     rows = [r for m, e, *_ in out.values() for r in m + e]
     per_device = sorted({k for r in rows for k in r if {**METRIC_FIELDS, **EVAL_FIELDS}.get(k) == PER_DEVICE})
     assert per_device == ["forward_passes_per_rank", "peak_memory_gib_per_device", "tps_per_device"]
     for key in per_device:
         assert key.endswith(("_per_device", "_per_rank")), key
-        assert f"`{key}`" in readme, f"README.md does not name the per-device field {key}"
+        assert f"`{key}`" in page, f"docs/metrics.md does not name the per-device field {key}"
 
 
 def test_throughput_follows_the_formula_on_every_mesh(runs):

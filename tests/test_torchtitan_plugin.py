@@ -719,7 +719,7 @@ def test_torchtitan_version_errors():
 
 
 # ---------------------------------------------------------------------------
-# torchtitan's trainer (CUDA): the README launch through our module
+# torchtitan's trainer (CUDA): the launch of docs/torchtitan.md through our module
 # ---------------------------------------------------------------------------
 
 

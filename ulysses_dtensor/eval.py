@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from .data import DataError
-from .runtime.known_errors import exit_on_known_error
+from .trainer.known_errors import exit_on_known_error
 from .runtime.process_group import exit_process
 from .trainer.config_schema import ConfigError
 

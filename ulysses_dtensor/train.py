@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from .runtime.known_errors import exit_on_known_error
+from .trainer.known_errors import exit_on_known_error
 from .runtime.process_group import exit_process
 from .trainer.config import config_help, load_config
 

@@ -1,2 +1,2 @@
-"""Processes and how a run ends: process-group lifetime, restarts under torchrun,
-peers that died or hang, and the one-line errors a user can act on."""
+"""Processes: process-group lifetime, restarts under torchrun, peers that died
+or hang, and "did you mean" for a mistyped name in an error message."""

@@ -15,10 +15,10 @@ import os
 import sys
 
 from ..data import DataError
-from ..trainer.checkpoint import CheckpointError
-from ..trainer.config_schema import ConfigError
-from .lost_peer import PeerLostError
-from .restarts import max_restarts, restart_attempt, shown_in_earlier_attempt
+from .checkpoint import CheckpointError
+from .config_schema import ConfigError
+from ..runtime.lost_peer import PeerLostError
+from ..runtime.restarts import max_restarts, restart_attempt, shown_in_earlier_attempt
 
 
 @contextlib.contextmanager

@@ -1,0 +1,121 @@
+"""The package layout docs/layout.md describes: imports flow one way, no circles, one name per file.
+
+Read from the source (``ast``), lazy imports inside functions included: a circle
+closed by a lazy import is still two modules that cannot be read alone.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter, defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ulysses_dtensor"
+
+# Lowest first: a module may import its own layer and the layers below it, never above.
+LAYERS = (
+    {"parallel", "memory", "attention", "data", "models", "runtime"},  # the building blocks
+    {"integrations"},  # other libraries' models on top of the blocks
+    {"torchtitan"},  # integrations/torchtitan: a plug-in on top of integrations
+    {"trainer", "estimate", "evaluation", "export", "train", "eval", "prepare_data"},  # what a user runs
+)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    edges = defaultdict(set)
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                candidates = [target] + [f"{target}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [a.name for a in node.names]
+            else:
+                continue
+            edges[name].update(c for c in candidates if c in modules and c != name)
+    return edges
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")[1:]
+    if not parts:
+        return None  # the package's own __init__: public names, loaded lazily
+    key = "torchtitan" if parts[:2] == ["integrations", "torchtitan"] else parts[0]
+    return next(i for i, names in enumerate(LAYERS) if key in names)
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_belongs_to_a_layer():
+    unknown = [m for m in _modules() if m != "ulysses_dtensor" and _layer(m) is None]
+    assert not unknown, f"modules outside every layer of tests/test_layout.py LAYERS: {unknown}"
+
+
+def test_imports_flow_one_way():
+    modules = _modules()
+    upward = [f"{m} imports {t}" for m, targets in _imports(modules).items() for t in sorted(targets)
+              if _layer(m) is not None and _layer(t) is not None and _layer(t) > _layer(m)]
+    assert not upward, "imports against the layering of docs/layout.md:\n" + "\n".join(upward)
+
+
+def test_no_import_circles():
+    circles = _circles(_imports(_modules()))
+    assert not circles, f"modules that import each other (directly or around a circle): {circles}"
+
+
+def test_one_name_per_file():
+    names = Counter(p.name for p in PACKAGE.rglob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    twice = sorted(n for n, k in names.items() if k > 1)
+    assert not twice, f"file names used by more than one module: {twice}"
+
+
+def test_the_checks_catch_a_circle_and_an_upward_import():
+    # The helpers themselves: a circle of three is found, an upward edge is ranked above.
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(edges) == [["a", "b", "c"]]
+    assert _layer("ulysses_dtensor.parallel.mesh") < _layer("ulysses_dtensor.integrations.hf")
+    assert _layer("ulysses_dtensor.integrations.hf") < _layer("ulysses_dtensor.integrations.torchtitan.trainer")
+    assert _layer("ulysses_dtensor.integrations.torchtitan.trainer") < _layer("ulysses_dtensor.trainer.loop")
