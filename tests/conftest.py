@@ -37,3 +37,21 @@ def pytest_collection_modifyitems(config, items):
     stale += [name for name in sorted(WHOLE_FILES | TESTS.keys()) if not os.path.exists(os.path.join(here, name))]
     if stale:
         raise pytest.UsageError(f"tests/quick_tier.py names tests that do not exist: {stale}")
+
+
+def pytest_collection_finish(session):
+    # The test modules imported torch, transformers, ...: hundreds of thousands of
+    # objects that live for the whole session. Out of the collector's sight, each
+    # full collection (gc's own, and the tests' gc.collect()) scans only what the
+    # tests made since.
+    import gc
+
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    # Back in sight for the interpreter's own teardown (extension modules check
+    # at exit that their objects were freed, and complain otherwise).
+    import gc
+
+    gc.unfreeze()

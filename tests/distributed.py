@@ -114,6 +114,10 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, timeout=TIMEOUT
     )
     dist.barrier()
+    # What the server preloaded (torch, transformers: ~0.5M objects) lives as long as
+    # the rank: out of the collector's sight, a full collection between tasks scans
+    # only what the tasks made (0.3 s -> ~0 per rank and task, and the same for gc's own).
+    gc.freeze()
     world_loops = _gloo_loops()
     while True:
         task = tasks.get()
