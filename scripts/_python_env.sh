@@ -29,11 +29,15 @@ _setup_step() {  # _setup_step "what" cmd...: run quietly, show the log on failu
     fi
 }
 
+_has_torch() {  # _has_torch PYTHON: torch is installed there (found, not imported: an import costs seconds)
+    "$1" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' >/dev/null 2>&1
+}
+
 if [ -n "${PYTHON:-}" ]; then
     PY="$(command -v "$PYTHON")"
 elif [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
     PY="$VIRTUAL_ENV/bin/python"
-elif command -v python3 >/dev/null 2>&1 && python3 -c "import torch" >/dev/null 2>&1; then
+elif command -v python3 >/dev/null 2>&1 && _has_torch python3; then
     PY="$(command -v python3)"
 else
     PY="$ROOT/.venv/bin/python"
@@ -47,7 +51,7 @@ PREFIX="$("$PY" -c 'import sys; print(sys.prefix)')"
 SETUP_LOG="${SETUP_LOG:-$PREFIX/ulysses-dtensor-setup.log}"
 [ -w "$(dirname "$SETUP_LOG")" ] || SETUP_LOG="$(mktemp -t ulysses-dtensor-setup.XXXXXX)"
 
-if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+if ! _has_torch "$PY"; then
     _setup_step "installing $TORCH_PIN into $PREFIX" "$PY" -m pip install -q "$TORCH_PIN"
 fi
 

@@ -332,6 +332,9 @@ def test_module_import_does_not_import_flash_attn():
         sys.meta_path.insert(0, Block())
         import torch
         import ulysses_dtensor.attention as A
+        import ulysses_dtensor.trainer.loop
+        # torch._dynamo costs every process ~1.5 s to import: only compiling imports it.
+        assert "torch._dynamo" not in sys.modules, "importing the trainer imported torch._dynamo"
         assert A.default_backend("cpu") == "sdpa"
         A.LocalAttention("flash_attn")
         assert "flash_attn" not in sys.modules
@@ -341,6 +344,23 @@ def test_module_import_does_not_import_flash_attn():
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_constant_marker_is_what_torch_compiler_sets():
+    # select.py marks its backend lookup constant to torch.compile without importing
+    # torch._dynamo; torch's own decorator must mark a function the same way.
+    from ulysses_dtensor.attention.select import _constant_to_compile, _resolved_default
+
+    def theirs():
+        return 0
+
+    def ours():
+        return 0
+
+    torch.compiler.assume_constant_result(theirs)
+    _constant_to_compile(ours)
+    assert theirs.__dict__ == ours.__dict__ == {"_dynamo_marked_constant": True}
+    assert _resolved_default._dynamo_marked_constant
 
 
 def test_check_backend_suggests_nearest():

@@ -58,10 +58,13 @@ def _compiled_flex():
     return _compile_flex()
 
 
-# What hitting the limit under fullgraph=True raises (its older name as a fallback).
-_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or getattr(
-    torch._dynamo.exc, "FailOnCacheLimitHit", RuntimeError
-)
+@functools.cache
+def _limit_hit_error() -> type:
+    """What hitting the limit under fullgraph=True raises (its older name as a fallback).
+    Looked up on a failure only: importing torch._dynamo costs every process ~1.5 s."""
+    from torch._dynamo import exc
+
+    return getattr(exc, "FailOnRecompileLimitHit", None) or getattr(exc, "FailOnCacheLimitHit", RuntimeError)
 
 
 def _run_compiled(flex, *args, **kwargs):
@@ -69,7 +72,9 @@ def _run_compiled(flex, *args, **kwargs):
         return flex(*args, **kwargs)
     try:
         return flex(*args, **kwargs)
-    except _LIMIT_HIT as e:
+    except Exception as e:
+        if not isinstance(e, _limit_hit_error()):
+            raise
         raise RuntimeError(
             "compiled FlexAttention hit torch.compile's recompile limit (one graph per context length, "
             "mask pattern, score_mod and grad mode): running on would fall back to unfused attention "

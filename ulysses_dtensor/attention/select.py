@@ -140,7 +140,15 @@ def default_backend(device: torch.device | str, dtype: torch.dtype | None = None
 _RESOLVED: dict[tuple[str, torch.dtype], str] = {}
 
 
-@torch.compiler.assume_constant_result
+def _constant_to_compile(fn):
+    """What ``torch.compiler.assume_constant_result`` does (it marks ``fn``), without
+    importing ``torch._dynamo`` here: that import costs ~1.5 s of every process start,
+    and most processes never compile. tests/test_attention.py pins the equivalence."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_to_compile
 def _resolved_default(device: torch.device, dtype: torch.dtype) -> str:
     # Runs per attention call: the import probes (a failed import searches the
     # file system) run once per (device type, dtype). A constant to
