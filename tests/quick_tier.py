@@ -28,6 +28,7 @@ WHOLE_FILES = {
     "test_hf_causal_lm.py",
     "test_hf_rope.py",
     "test_layout.py",
+    "test_quick_tier.py",
     "test_llama.py",
     "test_memory_features.py",
     "test_norm.py",
@@ -50,12 +51,16 @@ TESTS = {
     ],
     "test_parallelize.py": ["test_bad_options_are_clear_errors"],
     "test_ring.py": ["test_trainer_losses_mesh_independent_with_ring"],
-    "test_hf_integration.py": ["test_unsupported_models_and_inputs_are_refused_by_name"],
+    "test_hf_integration.py": [
+        "test_unsupported_models_and_inputs_are_refused_by_name",
+        "test_example_hf_custom_loop_trains_loads_and_saves",
+    ],
     "test_hf_memory.py": [
         "test_what_the_ring_and_tiling_cannot_run_is_refused_by_name",
         "test_usp_ring_matches_unsharded_for_causal_families",
     ],
     "test_hf_linear_attention.py": [
+        "test_hybrid_models_match_unsharded_on_every_mesh",
         "test_gated_delta_restarts_equal_each_document_alone",
         "test_other_hybrids_are_refused_by_class_and_layer_type",
     ],
@@ -86,6 +91,7 @@ TESTS = {
     "test_evaluation.py": [
         "test_held_out_split_never_read_by_training",
         "test_generators_exact_position_length_determinism",
+        "test_report_rows_round_trip_and_redraw_the_plots",
     ],
     "test_eval_trainer.py": ["test_eval_config_errors"],
     "test_metrics_mesh.py": ["test_throughput_formula"],
@@ -100,4 +106,35 @@ TESTS = {
         "test_resumed_metrics_replace_the_rows_after_the_checkpoint",
     ],
     "test_rope_training.py": ["test_shipped_context_extension_configs_validate"],
+}
+
+# Modules no file of the tier imports by name (tests/test_quick_tier.py finds those that
+# are), and the quick test that runs them.
+THROUGH = {
+    "ulysses_dtensor.attention.dense": "test_attention.py",  # local_attention(..., "sdpa")
+    "ulysses_dtensor.attention.packed": "test_cuda_calls_on_cpu.py",  # varlen / flash_attn on shims
+    "ulysses_dtensor.data.chat": "test_sft_data.py",  # the chat templates
+    "ulysses_dtensor.data.order": "test_data.py",  # the epoch order of the stream
+    "ulysses_dtensor.data.readers": "test_data_checks.py",  # every file format read and checked
+    "ulysses_dtensor.estimate.tracker": "test_trainer_transformers.py::test_memory_planner_traces_the_transformers_model",
+    "ulysses_dtensor.export.files": "test_hf_checkpoint.py::test_export_round_trip_every_family_and_our_own_flavor",
+    "ulysses_dtensor.export.transformers": "test_hf_rope.py::test_trainer_stage_ropes_on_a_transformers_model",
+    "ulysses_dtensor.evaluation.plots": "test_evaluation.py::test_report_rows_round_trip_and_redraw_the_plots",
+    "ulysses_dtensor.export.native": "test_hf_checkpoint.py::test_export_round_trip_every_family_and_our_own_flavor",
+    "ulysses_dtensor.integrations.hf_checkpoint": "test_hf_integration.py::test_example_hf_custom_loop_trains_loads_and_saves",
+    "ulysses_dtensor.integrations.hf_linear_attention":
+        "test_hf_linear_attention.py::test_gated_delta_restarts_equal_each_document_alone",
+    "ulysses_dtensor.integrations.hf_mamba": "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
+    "ulysses_dtensor.integrations.hf_mixers": "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
+    "ulysses_dtensor.integrations.hf_short_conv":
+        "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
+    "ulysses_dtensor.integrations.mixer_style":
+        "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
+    "ulysses_dtensor.integrations.hf_moe": "test_hf_memory.py::test_usp_ring_matches_unsharded_for_causal_families",
+    "ulysses_dtensor.integrations.hf_positions": "test_hf_memory.py::test_usp_ring_matches_unsharded_for_causal_families",
+    "ulysses_dtensor.parallel.comm_timing": "test_ring.py::test_trainer_losses_mesh_independent_with_ring",
+    "ulysses_dtensor.runtime.process_group": "test_ring.py::test_trainer_losses_mesh_independent_with_ring",
+    "ulysses_dtensor.runtime.suggest": "test_config.py",  # "did you mean" on a mistyped key
+    "ulysses_dtensor.trainer.data_config": "test_config.py",
+    "ulysses_dtensor.trainer.known_errors": "test_config.py::test_bad_config_cli_process_exits_before_work",
 }

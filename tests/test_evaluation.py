@@ -241,3 +241,30 @@ def test_same_results_on_every_mesh(files):
     cells = [r for r in ref if r["kind"] == "retrieval"]
     assert len(cells) == len(LENGTHS) * 2 * SPEC["depths"]
     assert all(r["mean_logprob"] < 0 for r in cells)
+
+
+def test_report_rows_round_trip_and_redraw_the_plots(tmp_path):
+    """eval.jsonl keeps every row of two evaluations (a NaN loss as null); the redraw
+    command reads the newest one back and draws both PNGs from it."""
+    pytest.importorskip("matplotlib")
+    from ulysses_dtensor.evaluation import redraw
+    from ulysses_dtensor.evaluation.report import read_jsonl, write_jsonl
+    from ulysses_dtensor.evaluation.runner import EvalResult
+
+    def rows(step):
+        cells = [{"kind": "retrieval", "step": step, "task": "passkey", "length": n, "depth": d,
+                  "accuracy": float(d < 0.5), "mean_logprob": -1.0} for n in (64, 128) for d in (0.0, 0.5, 1.0)]
+        buckets = [{"kind": "position_loss", "step": step, "length": 128, "start": s, "end": 2 * s, "tokens": s,
+                    "loss": 3.0 / s} for s in (1, 2, 4, 8)]
+        return cells + buckets + [{"kind": "loss", "step": step, "length": 128, "loss": float("nan")}]
+
+    for step in (1, 2):
+        path = write_jsonl(EvalResult(step=step, rows=rows(step), seconds=0.1, forward_passes=1), tmp_path)
+    newest = read_jsonl(path, step=-1)
+    assert len(read_jsonl(path)) == 2 * len(rows(1)) and {r["step"] for r in newest} == {2}
+    assert [r for r in newest if r["kind"] == "loss"][0]["loss"] is None
+    assert redraw.main([str(path), str(tmp_path / "png")]) == 0
+    for name in ("heatmap_step2.png", "loss_by_position_step2.png"):
+        png = (tmp_path / "png" / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000, name
+    assert redraw.main([str(path), str(tmp_path / "png"), "--step", "7"]) == 2  # no such evaluation

@@ -1,0 +1,101 @@
+"""The quick tier covers every module: a file of the tier imports it by name, or
+tests/quick_tier.py THROUGH names the quick test that runs it.
+
+Imports are read from the source (``ast``); ``from package import name`` counts for
+the module that defines ``name``. A package ``__init__`` without code and a
+``__main__`` that only calls its package's ``main`` need no test of their own.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from quick_tier import TESTS, THROUGH, WHOLE_FILES
+
+TESTS_DIR = Path(__file__).resolve().parent
+PACKAGE = TESTS_DIR.parent / "ulysses_dtensor"
+
+
+def _library() -> set[str]:
+    out = set()
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__main__":
+            continue
+        if parts[-1] == "__init__":
+            body = ast.parse(path.read_text()).body
+            if all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body):
+                continue  # a docstring only
+            parts.pop()
+        out.add(".".join(parts))
+    return out
+
+
+def _defining_module(module: str, name: str, library: set[str]) -> str:
+    """The module ``from module import name`` reaches: a submodule, or the module that
+    ``module`` re-exports ``name`` from (an import, or a lazy ``_EXPORTS`` table), read, not run."""
+    if f"{module}.{name}" in library:
+        return f"{module}.{name}"
+    base = PACKAGE.parent.joinpath(*module.split("."))
+    path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+    if not path.is_file():
+        return module
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level and any(a.name == name for a in node.names):
+            source = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            return _defining_module(source, name, library)
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in node.targets):
+            table = ast.literal_eval(node.value)
+            if name in table:
+                return _defining_module(".".join(package + [table[name].lstrip(".")]), name, library)
+    return module
+
+
+def _imported_by_the_tier(library: set[str]) -> set[str]:
+    found = set()
+    for name in sorted(WHOLE_FILES | TESTS.keys()):
+        for node in ast.walk(ast.parse((TESTS_DIR / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ulysses_dtensor"):
+                found.add(node.module)
+                found.update(_defining_module(node.module, a.name, library) for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("ulysses_dtensor"))
+    return found
+
+
+def _in_the_tier(entry: str) -> bool:
+    name, _, test = entry.partition("::")
+    if not (TESTS_DIR / name).is_file():
+        return False
+    if name in WHOLE_FILES:
+        return not test or any(isinstance(n, ast.FunctionDef) and n.name == test
+                               for n in ast.parse((TESTS_DIR / name).read_text()).body)
+    return bool(test) and test in TESTS.get(name, ())
+
+
+def test_every_module_runs_in_the_quick_tier():
+    library = _library()
+    missing = sorted(library - _imported_by_the_tier(library) - THROUGH.keys())
+    assert not missing, (f"modules no quick test runs: {missing}; import them in a quick test, or name the "
+                         f"quick test that runs them in tests/quick_tier.py THROUGH")
+
+
+def test_through_names_quick_tests_of_existing_modules():
+    library = _library()
+    wrong = [f"{m}: {t}" for m, t in THROUGH.items() if m not in library or not _in_the_tier(t)]
+    assert not wrong, f"tests/quick_tier.py THROUGH entries naming no module or no quick test: {wrong}"
+    # Entries a direct import already covers would hide a stale claim: none.
+    direct = sorted(THROUGH.keys() & _imported_by_the_tier(library))
+    assert not direct, f"THROUGH entries the tier imports by name anyway (remove them): {direct}"
+
+
+def test_a_new_module_without_a_quick_test_is_found():
+    # The check itself: a module nobody imports is reported, a docstring-only package is not,
+    # and a name imported from a package counts for the module that defines it.
+    assert _defining_module("ulysses_dtensor", "shard_batch", _library()) == "ulysses_dtensor.parallel.batch"
+    assert _defining_module("ulysses_dtensor.attention", "local_attention", _library()) == "ulysses_dtensor.attention.local"
+    library = _library() | {"ulysses_dtensor.nowhere"}
+    assert "ulysses_dtensor.nowhere" in library - _imported_by_the_tier(library) - THROUGH.keys()
+    assert "ulysses_dtensor.memory" not in _library()  # its __init__ is a docstring
