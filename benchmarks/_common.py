@@ -473,13 +473,17 @@ def launch_ranks(
     on_record: Callable[[dict], None] = emit,
     cpu_collectives: bool = False,
 ) -> bool:
-    """Run ``fn(rank, world_size, device, report, *args)`` on ``world_size`` spawned ranks.
+    """Run ``fn(rank, world_size, device, report, *args)`` on ``world_size`` new ranks.
 
     ``report(record)`` on rank 0 hands a dict to ``on_record`` in the parent as
     soon as it is produced. Returns False (after printing the traceback to
     stderr) when a rank failed. ``fn`` must be a module-level function.
     """
-    ctx = mp.get_context("spawn")
+    # Ranks fork from a server process that imported torch once (and the benchmark,
+    # whose functions the ranks run): a spawned rank would import torch itself, seconds
+    # each. The server initialises nothing (no CUDA), so its forks are clean.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed"])
     out_queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
@@ -488,7 +492,7 @@ def launch_ranks(
             args=(world_size, store, device_type, threads, out_queue, fn, args, cpu_collectives),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         ok = True
         done = False

@@ -9,6 +9,7 @@ the module that defines ``name``. A package ``__init__`` without code and a
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from quick_tier import TESTS, THROUGH, WHOLE_FILES
@@ -17,22 +18,28 @@ TESTS_DIR = Path(__file__).resolve().parent
 PACKAGE = TESTS_DIR.parent / "ulysses_dtensor"
 
 
-def _library() -> set[str]:
+@functools.cache
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+@functools.cache
+def _library() -> frozenset[str]:
     out = set()
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
         if parts[-1] == "__main__":
             continue
         if parts[-1] == "__init__":
-            body = ast.parse(path.read_text()).body
+            body = _parse(path).body
             if all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body):
                 continue  # a docstring only
             parts.pop()
         out.add(".".join(parts))
-    return out
+    return frozenset(out)
 
 
-def _defining_module(module: str, name: str, library: set[str]) -> str:
+def _defining_module(module: str, name: str, library: frozenset[str]) -> str:
     """The module ``from module import name`` reaches: a submodule, or the module that
     ``module`` re-exports ``name`` from (an import, or a lazy ``_EXPORTS`` table), read, not run."""
     if f"{module}.{name}" in library:
@@ -42,7 +49,7 @@ def _defining_module(module: str, name: str, library: set[str]) -> str:
     if not path.is_file():
         return module
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    for node in ast.parse(path.read_text()).body:
+    for node in _parse(path).body:
         if isinstance(node, ast.ImportFrom) and node.level and any(a.name == name for a in node.names):
             source = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
             return _defining_module(source, name, library)
@@ -53,16 +60,17 @@ def _defining_module(module: str, name: str, library: set[str]) -> str:
     return module
 
 
-def _imported_by_the_tier(library: set[str]) -> set[str]:
+@functools.cache
+def _imported_by_the_tier(library: frozenset[str]) -> frozenset[str]:
     found = set()
     for name in sorted(WHOLE_FILES | TESTS.keys()):
-        for node in ast.walk(ast.parse((TESTS_DIR / name).read_text())):
+        for node in ast.walk(_parse(TESTS_DIR / name)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ulysses_dtensor"):
                 found.add(node.module)
                 found.update(_defining_module(node.module, a.name, library) for a in node.names)
             elif isinstance(node, ast.Import):
                 found.update(a.name for a in node.names if a.name.startswith("ulysses_dtensor"))
-    return found
+    return frozenset(found)
 
 
 def _in_the_tier(entry: str) -> bool:
@@ -71,7 +79,7 @@ def _in_the_tier(entry: str) -> bool:
         return False
     if name in WHOLE_FILES:
         return not test or any(isinstance(n, ast.FunctionDef) and n.name == test
-                               for n in ast.parse((TESTS_DIR / name).read_text()).body)
+                               for n in _parse(TESTS_DIR / name).body)
     return bool(test) and test in TESTS.get(name, ())
 
 
@@ -96,6 +104,6 @@ def test_a_new_module_without_a_quick_test_is_found():
     # and a name imported from a package counts for the module that defines it.
     assert _defining_module("ulysses_dtensor", "shard_batch", _library()) == "ulysses_dtensor.parallel.batch"
     assert _defining_module("ulysses_dtensor.attention", "local_attention", _library()) == "ulysses_dtensor.attention.local"
-    library = _library() | {"ulysses_dtensor.nowhere"}
+    library = _library() | frozenset({"ulysses_dtensor.nowhere"})
     assert "ulysses_dtensor.nowhere" in library - _imported_by_the_tier(library) - THROUGH.keys()
     assert "ulysses_dtensor.memory" not in _library()  # its __init__ is a docstring

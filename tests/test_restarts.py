@@ -2,9 +2,10 @@
 
 Real launches through the documented launchers, on CPU (gloo): the debug model,
 8 steps, checkpoints at steps 3, 6 and 8, a stage change (64 -> 128 tokens) at
-step 5, 4 ranks as sp 4 = ring 2 x ulysses 2 (the mesh of the issue's two-agent job):
+step 5, 4 ranks as sp 4 = ring 2 x ulysses 2 (the mesh of the issue's two-agent job;
+one node runs sp 2 on 2 ranks: every rank started costs seconds of CPU):
 
-* one node, ``scripts/run_train.sh`` (NPROC=4, MAX_RESTARTS=1): rank 3 SIGKILLs
+* one node, ``scripts/run_train.sh`` (NPROC=2, MAX_RESTARTS=1): rank 1 SIGKILLs
   itself after step 5; torchrun restarts the ranks, which resume from step 3 and
   train through the stage change again;
 * two agents on this machine, ``scripts/multinode_torchrun.sh`` twice (NNODES=2,
@@ -14,8 +15,8 @@ step 5, 4 ranks as sp 4 = ring 2 x ulysses 2 (the mesh of the issue's two-agent 
   on a checkpoint that cannot be loaded.
 
 The three run side by side (their own ports and folders), after the
-uninterrupted reference trained on the test's pool of 4 gloo ranks (the same
-job; bit-identical to a torchrun launch of it). The restarted runs must log
+uninterrupted references trained on the test's pools of 4 and 2 gloo ranks (the
+same jobs; bit-identical to a torchrun launch of them). The restarted runs must log
 every step once, each row equal to the reference's in every field but the wall
 clock (loss, gradient norm, lr, sequence length, rope, tokens seen: exactly),
 and mark the row where they resumed.
@@ -120,11 +121,14 @@ class Job:
         return [json.loads(p.read_text()) for p in sorted(self.dump.glob("test_fault-*"))]
 
 
+ONE_NODE = ("--parallelism.sp", "2", "--parallelism.ring", "1")
+
+
 def _one_node(root: Path) -> Job:
     job = Job(root / "one_node")
     job.dump.mkdir()
-    job.launch(["bash", str(REPO / "scripts" / "run_train.sh"), *_args(job.dump)],
-               _env(NPROC="4", MAX_RESTARTS="1", **{FAULT_ENV: "KILL:3:5"}))
+    job.launch(["bash", str(REPO / "scripts" / "run_train.sh"), *_args(job.dump, *ONE_NODE)],
+               _env(NPROC="2", MAX_RESTARTS="1", **{FAULT_ENV: "KILL:1:5"}))
     return job
 
 
@@ -165,8 +169,9 @@ def _reference_worker(rank: int, world: int, argv: list[str]) -> None:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("restarts")
     jobs = {}
-    reference = root / "reference"  # first: the pool may have to start (it does once per session)
-    run_ranks(4, _reference_worker, _args(reference, checkpoints=False))
+    # First: the pools may have to start (they do once per session).
+    run_ranks(4, _reference_worker, _args(root / "reference", checkpoints=False))
+    run_ranks(2, _reference_worker, _args(root / "reference_one_node", *ONE_NODE, checkpoints=False))
     try:
         jobs["one_node"] = _one_node(root)
         jobs["two_agents"] = _two_agents(root, "two_agents", "KILL:2:7", nproc=2, restarts=1)
@@ -175,8 +180,9 @@ def runs(tmp_path_factory):
     finally:
         for job in jobs.values():
             job.stop()
-    rows = [json.loads(line) for line in open(reference / "metrics.jsonl")]
-    return jobs, codes, rows
+    refs = {name: [json.loads(line) for line in open(root / folder / "metrics.jsonl")]
+            for name, folder in (("two_agents", "reference"), ("one_node", "reference_one_node"))}
+    return jobs, codes, refs
 
 
 # Wall-clock figures, and the restart mark: not compared.
@@ -194,12 +200,12 @@ def _assert_reference_trajectory(rows: list[dict], ref: list[dict], label: str) 
 
 
 @pytest.mark.parametrize("name, killed, resumed, replaced", [
-    ("one_node", "KILL-3-5", 3, 2),    # rows 4, 5 of the killed attempt replaced
+    ("one_node", "KILL-1-5", 3, 2),    # rows 4, 5 of the killed attempt replaced
     ("two_agents", "KILL-2-7", 6, 1),  # row 7 replaced; resumed inside the 128-token stage
 ])
 def test_restart_resumes_the_uninterrupted_trajectory(runs, name, killed, resumed, replaced):
-    jobs, codes, ref = runs
-    job = jobs[name]
+    jobs, codes, refs = runs
+    job, ref = jobs[name], refs[name]
     assert codes[name] == [0] * len(job.procs), job.text("err")[-4000:]
     assert (job.dump / f"test_fault-{killed}").is_file()  # the kill happened, once
     assert f"resumed from {job.dump / 'checkpoint' / f'step-{resumed}'}" in job.text("out")
