@@ -15,22 +15,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
 
-# The files that take longest (measured on 2 cores), longest first. pytest-xdist hands
-# whole files to its workers in collection order: started first, the long ones overlap
-# each other and the short ones fill in at the end, instead of one long file running
-# alone while the other worker idles.
-LONGEST_FIRST = (
-    "test_estimate.py", "test_restarts.py", "test_parallelize.py", "test_trainer_transformers.py",
-    "test_hf_integration.py", "test_train.py", "test_lora.py", "test_benchmarks.py",
-    "test_hf_trainer_families.py", "test_hf_memory.py", "test_eval_trainer.py", "test_torchtitan_plugin.py",
-    "test_ring.py", "test_bench_train.py",
-)
-
-
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect anything: the check sees every test
 def pytest_collection_modifyitems(config, items):
-    """Mark the quick tier (tests/quick_tier.py); an entry naming no test is an error.
-    Then order the files longest first (LONGEST_FIRST)."""
+    """Mark the quick tier (tests/quick_tier.py); an entry naming no test is an error."""
     from quick_tier import TESTS, WHOLE_FILES
 
     found = set()
@@ -50,9 +37,6 @@ def pytest_collection_modifyitems(config, items):
     stale += [name for name in sorted(WHOLE_FILES | TESTS.keys()) if not os.path.exists(os.path.join(here, name))]
     if stale:
         raise pytest.UsageError(f"tests/quick_tier.py names tests that do not exist: {stale}")
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    order = {id(item): n for n, item in enumerate(items)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[id(item)]))
 
 
 def pytest_collection_finish(session):
