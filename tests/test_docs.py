@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from package_source import parse, source
 from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,11 +139,16 @@ def _blocks(page: Path) -> tuple[Block, ...]:
     return tuple(blocks)
 
 
+@lru_cache(maxsize=None)
+def _code_lines(page: Path) -> frozenset[int]:
+    """Line numbers of the code blocks, their fences included."""
+    return frozenset(b.line + k for b in _blocks(page) for k in range(len(b.lines) + 2))
+
+
 def _prose(page: Path) -> list[tuple[int, str]]:
     """(line number, text) of the lines outside code blocks, inline code removed."""
-    inside = {b.line + k for b in _blocks(page) for k in range(len(b.lines) + 2)}
     return [(n, re.sub(r"`[^`]*`", "", text)) for n, text in enumerate(page.read_text().splitlines(), 1)
-            if n not in inside]
+            if n not in _code_lines(page)]
 
 
 def _slug(heading: str) -> str:
@@ -152,11 +158,10 @@ def _slug(heading: str) -> str:
 
 @lru_cache(maxsize=None)
 def _anchors(page: Path) -> frozenset[str]:
-    inside = {b.line + k for b in _blocks(page) for k in range(len(b.lines) + 2)}
     seen: dict[str, int] = {}
     for n, text in enumerate(page.read_text().splitlines(), 1):
         m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", text)
-        if m and n not in inside:
+        if m and n not in _code_lines(page):
             slug = _slug(m.group(1))
             seen[slug if slug not in seen else f"{slug}-{seen[slug]}"] = seen.get(slug, 0) + 1
     return frozenset(seen)
@@ -344,13 +349,11 @@ def test_named_modules_and_paths_exist():
 
 def _bound_names(module: str) -> set[str] | None:
     """Names a module of this package defines or imports at its top level (None: no such module)."""
-    base = ROOT.joinpath(*module.split("."))
-    path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
-    if not path.is_file():
+    path = source(module)
+    if path is None:
         return None
-    tree = ast.parse(path.read_text())
     names = set()
-    for node in tree.body:
+    for node in parse(path).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):

@@ -7,10 +7,10 @@ closed by a lazy import is still two modules that cannot be read alone.
 from __future__ import annotations
 
 import ast
+import functools
 from collections import Counter, defaultdict
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ulysses_dtensor"
+from package_source import imported_module, modules, parse
 
 # Lowest first: a module may import its own layer and the layers below it, never above.
 LAYERS = (
@@ -21,33 +21,21 @@ LAYERS = (
 )
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
-def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+@functools.cache
+def _imports() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, lazy imports included."""
     edges = defaultdict(set)
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+    library = modules()
+    for name, path in library.items():
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
+                target = imported_module(name, node)
                 candidates = [target] + [f"{target}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 candidates = [a.name for a in node.names]
             else:
                 continue
-            edges[name].update(c for c in candidates if c in modules and c != name)
+            edges[name].update(c for c in candidates if c in library and c != name)
     return edges
 
 
@@ -90,24 +78,23 @@ def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_every_module_belongs_to_a_layer():
-    unknown = [m for m in _modules() if m != "ulysses_dtensor" and _layer(m) is None]
+    unknown = [m for m in modules() if m != "ulysses_dtensor" and _layer(m) is None]
     assert not unknown, f"modules outside every layer of tests/test_layout.py LAYERS: {unknown}"
 
 
 def test_imports_flow_one_way():
-    modules = _modules()
-    upward = [f"{m} imports {t}" for m, targets in _imports(modules).items() for t in sorted(targets)
+    upward = [f"{m} imports {t}" for m, targets in _imports().items() for t in sorted(targets)
               if _layer(m) is not None and _layer(t) is not None and _layer(t) > _layer(m)]
     assert not upward, "imports against the layering of docs/layout.md:\n" + "\n".join(upward)
 
 
 def test_no_import_circles():
-    circles = _circles(_imports(_modules()))
+    circles = _circles(_imports())
     assert not circles, f"modules that import each other (directly or around a circle): {circles}"
 
 
 def test_one_name_per_file():
-    names = Counter(p.name for p in PACKAGE.rglob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    names = Counter(p.name for p in modules().values() if p.name not in ("__init__.py", "__main__.py"))
     twice = sorted(n for n, k in names.items() if k > 1)
     assert not twice, f"file names used by more than one module: {twice}"
 

@@ -12,31 +12,21 @@ import ast
 import functools
 from pathlib import Path
 
+from package_source import imported_module, modules, parse, source
 from quick_tier import TESTS, THROUGH, WHOLE_FILES
 
 TESTS_DIR = Path(__file__).resolve().parent
-PACKAGE = TESTS_DIR.parent / "ulysses_dtensor"
 
 
-@functools.cache
-def _parse(path: Path) -> ast.Module:
-    return ast.parse(path.read_text())
+def _docstring_only(path: Path) -> bool:
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in parse(path).body)
 
 
 @functools.cache
 def _library() -> frozenset[str]:
-    out = set()
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__main__":
-            continue
-        if parts[-1] == "__init__":
-            body = _parse(path).body
-            if all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body):
-                continue  # a docstring only
-            parts.pop()
-        out.add(".".join(parts))
-    return frozenset(out)
+    """The modules that need a quick test: not a ``__main__``, not a docstring-only package."""
+    return frozenset(m for m, path in modules().items()
+                     if path.name != "__main__.py" and not (path.name == "__init__.py" and _docstring_only(path)))
 
 
 def _defining_module(module: str, name: str, library: frozenset[str]) -> str:
@@ -44,19 +34,17 @@ def _defining_module(module: str, name: str, library: frozenset[str]) -> str:
     ``module`` re-exports ``name`` from (an import, or a lazy ``_EXPORTS`` table), read, not run."""
     if f"{module}.{name}" in library:
         return f"{module}.{name}"
-    base = PACKAGE.parent.joinpath(*module.split("."))
-    path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
-    if not path.is_file():
+    path = source(module)
+    if path is None:
         return module
-    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    for node in _parse(path).body:
+    for node in parse(path).body:
         if isinstance(node, ast.ImportFrom) and node.level and any(a.name == name for a in node.names):
-            source = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
-            return _defining_module(source, name, library)
+            return _defining_module(imported_module(module, node), name, library)
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in node.targets):
             table = ast.literal_eval(node.value)
             if name in table:
-                return _defining_module(".".join(package + [table[name].lstrip(".")]), name, library)
+                package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+                return _defining_module(f"{package}.{table[name].lstrip('.')}", name, library)
     return module
 
 
@@ -64,7 +52,7 @@ def _defining_module(module: str, name: str, library: frozenset[str]) -> str:
 def _imported_by_the_tier(library: frozenset[str]) -> frozenset[str]:
     found = set()
     for name in sorted(WHOLE_FILES | TESTS.keys()):
-        for node in ast.walk(_parse(TESTS_DIR / name)):
+        for node in ast.walk(parse(TESTS_DIR / name)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ulysses_dtensor"):
                 found.add(node.module)
                 found.update(_defining_module(node.module, a.name, library) for a in node.names)
@@ -79,7 +67,7 @@ def _in_the_tier(entry: str) -> bool:
         return False
     if name in WHOLE_FILES:
         return not test or any(isinstance(n, ast.FunctionDef) and n.name == test
-                               for n in _parse(TESTS_DIR / name).body)
+                               for n in parse(TESTS_DIR / name).body)
     return bool(test) and test in TESTS.get(name, ())
 
 
