@@ -8,7 +8,9 @@ documents, against a float64 reference: what ran, one JSON line per row.
 ``local`` rows: ``local_attention`` forward and backward on 2 rows of 320 tokens
 (packed documents that straddle flex's 128-token blocks; GQA 8:2), each
 pattern with documents: ``documents`` (plain causal), ``window``, ``softcap``,
-``sinks``, ``mla`` (q/k head dim 1.5x v's, as DeepSeek's 192/128). ``ring``
+``sinks``, ``mla`` (q/k head dim 1.5x v's, as DeepSeek's 192/128), ``vwide``
+(v twice as wide as q/k, with a sliding window and a 0.3 scale: the kernels
+then pad q and k, and the scale is not the head dim's). ``ring``
 rows: ``ring_attention`` over 2 ranks on one device (gloo carries the blocks),
 random packed documents, causal, GQA, the gradient of ``out.sum()`` too (an
 expanded, stride-0 upstream gradient); rank 0 prints.
@@ -16,7 +18,7 @@ expanded, stride-0 upstream gradient); rank 0 prints.
 Each row: ``backend`` (asked), ``ran`` (what ``auto`` resolved to; the ring's
 kernels), ``pattern``, ``head_dim``, ``v_head_dim``, ``dtype``, ``status``
 (``passed``; ``refused`` with the ``reason`` a named backend gave before
-running; ``failed`` with the ``error`` or the errors over tolerance),
+running; ``unavailable`` when its package is not installed; ``failed`` with the ``error`` or the errors over tolerance),
 ``out_err`` / ``grad_err`` (max abs error vs the reference over its max abs
 value; the worst of q, k, v, sinks), ``seconds``, and the
 ``device`` and ``torch`` that ran it. Rows are flushed as they finish, so a
@@ -27,6 +29,7 @@ run cut short still records what ran; the exit status is 1 when a row failed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -43,7 +46,7 @@ from ulysses_dtensor.attention.pattern import check_pattern  # noqa: E402
 from ulysses_dtensor.attention.select import resolve_backend  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-PATTERNS = ("documents", "window", "softcap", "sinks", "mla")
+PATTERNS = ("documents", "window", "softcap", "sinks", "mla", "vwide")
 HEAD_DIMS = (64, 80, 96, 128, 36)  # 36: not a multiple of 8 (padded for torch's flash kernels)
 # Error allowed vs float64, relative to the reference's largest magnitude: (output, gradients).
 TOLERANCE = {torch.float32: (1e-3, 1e-3), torch.bfloat16: (2e-2, 3e-2)}
@@ -113,12 +116,12 @@ def _errors(out, ref, inputs, want_grads, dtype):
 
 def local_row(backend, pattern, head_dim, dtype, device, seq) -> dict:
     g = torch.Generator().manual_seed(head_dim)
-    dv = head_dim
+    dv = head_dim * 2 if pattern == "vwide" else head_dim
     d = head_dim * 3 // 2 if pattern == "mla" else head_dim
     shapes = [(2, seq, 8, d), (2, seq, 2, d), (2, seq, 2, dv)]
     q, k, v = (torch.randn(sh, generator=g).to(device, dtype).requires_grad_() for sh in shapes)
     docs = _documents(seq, device)
-    opts = {"window": dict(window=48), "softcap": dict(softcap=20.0),
+    opts = {"window": dict(window=48), "softcap": dict(softcap=20.0), "vwide": dict(window=48, scale=0.3),
             "sinks": dict(sinks=torch.randn(8, generator=g).to(device).requires_grad_())}.get(pattern, {})
     row = {"what": "local", "backend": backend, "pattern": pattern, "head_dim": d, "v_head_dim": dv,
            "dtype": str(dtype).removeprefix("torch.")}
@@ -127,6 +130,8 @@ def local_row(backend, pattern, head_dim, dtype, device, seq) -> dict:
         row["ran"] = resolve_backend(backend, features, torch.device(device), dtype, max(d, dv))
     except ValueError as e:
         return {**row, "status": "refused", "reason": str(e)}
+    if row["ran"] == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        return {**row, "status": "unavailable", "reason": "the flash-attn package is not installed"}
     inputs = [q, k, v, *([opts["sinks"]] if "sinks" in opts else [])]
     cot = torch.randn(2, seq, 8, dv, generator=g).to(device, torch.float64)
     ref, want = _reference_grads(inputs, cot, docs=docs, **{n: o for n, o in opts.items() if n != "sinks"})

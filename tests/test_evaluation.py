@@ -268,3 +268,66 @@ def test_report_rows_round_trip_and_redraw_the_plots(tmp_path):
         png = (tmp_path / "png" / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000, name
     assert redraw.main([str(path), str(tmp_path / "png"), "--step", "7"]) == 2  # no such evaluation
+
+
+# --------------------------------------------------------------------------- #
+# Training after an evaluation
+# --------------------------------------------------------------------------- #
+
+
+def _step_after_eval_worker(rank, world, files, by_hand):
+    from ulysses_dtensor.evaluation import runner
+
+    # The rank processes are pooled: patch for this task only.
+    reset = runner._reset_fsdp
+    if by_hand:  # the path torch < 2.12 takes
+        runner._reset_fsdp = runner._reset_fsdp_by_hand
+    try:
+        return _steps_with_and_without_eval(rank, world, files)
+    finally:
+        runner._reset_fsdp = reset
+
+
+def _steps_with_and_without_eval(rank, world, files):
+    from torch.distributed.tensor import DTensor
+
+    from ulysses_dtensor.parallel.batch import shard_batch
+    from ulysses_dtensor.parallel.loss import count_valid_tokens
+    from ulysses_dtensor.parallel.mesh import ParallelDims
+    from ulysses_dtensor.trainer.step import train_step
+
+    pmesh = ParallelDims(1, 2, 1, world_size=world).build_mesh("cpu")
+    tok = HFTokenizer(files["tokenizer"])
+    vocab = -(-tok.vocab_size // 64) * 64
+    ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(3))[rank:rank + 1]
+    batch = shard_batch({"input_ids": ids}, pmesh.sp)
+    n_valid = count_valid_tokens(batch["labels"], pmesh.loss)
+    out = {}
+    for evaluate in (False, True):
+        model = _model(pmesh, vocab, features=False)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)  # new weight = old - gradient
+        if evaluate:
+            ev = Evaluator(model, pmesh, tok, EvalSpec(**SPEC), "cpu", FileCorpus(files["held_out"]))
+            ev.run(1, [LENGTHS[0]])
+            state = model._get_fsdp_state()
+            # Nothing gathered is left behind: no all-gather result, every parameter a shard.
+            assert state._comm_ctx.all_gather_state is None
+            assert not state._comm_ctx.post_forward_order
+            unsharded = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+            assert not unsharded, unsharded
+        result = train_step(model, opt, batch, n_valid)
+        out[evaluate] = (result.loss_sum.item(), result.grad_norm.item(),
+                         {n: p.detach().full_tensor() for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["torch_reset", "by_hand"])
+def test_a_training_step_after_an_evaluation_is_unchanged(files, by_hand):
+    # FSDP2 dp_shard 2: the evaluation runs the model's parts without the root's
+    # forward, so the root never frees its last all-gather; the reset must.
+    got = run_ranks(2, _step_after_eval_worker, files, by_hand)
+    for rank_out in got:
+        (loss, norm, weights), (loss_e, norm_e, weights_e) = rank_out[False], rank_out[True]
+        assert loss_e == loss and norm_e == norm
+        for name, w in weights.items():
+            torch.testing.assert_close(weights_e[name], w, atol=0, rtol=0, msg=name)
