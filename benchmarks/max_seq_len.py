@@ -350,7 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", default=["llama3_8b", "llama3_70b"],
                    help=f"this package's flavors, or transformers configs of benchmarks/model_configs: {HF_MODELS}")
     p.add_argument("--gpus", nargs="+", type=int, default=[1, 8, 32, 64])
-    p.add_argument("--features", nargs="+", default=list(FEATURES), choices=list(FEATURES))
+    p.add_argument("--features", nargs="+", choices=list(FEATURES),
+                   help="feature sets to plan (default: all of them; --quick: baseline and all)")
     p.add_argument("--budget-gib", type=float, default=80.0)
     p.add_argument("--headroom-gib", type=float, default=6.0)
     p.add_argument("--granularity", type=int, default=1024, help="search step in tokens per sp rank")
@@ -386,8 +387,11 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", nargs="+", type=int,
                    default=[131072, 262144, 524288, 1048576, 2097152, 4194304])
     ns = p.parse_args(argv)
+    if ns.features is None and not ns.quick:
+        ns.features = list(FEATURES)
     if ns.quick:
-        ns.models, ns.gpus, ns.features = ["debug"], [2], ["baseline", "all"]
+        ns.models, ns.gpus = ["debug"], [2]
+        ns.features = ns.features or ["baseline", "all"]
         ns.budget_gib, ns.headroom_gib, ns.granularity = 0.02, 0.0, 64
 
     def log(msg: str) -> None:

@@ -112,7 +112,6 @@ TESTS = {
 # are), and the quick test that runs them.
 THROUGH = {
     "ulysses_dtensor.attention.dense": "test_attention.py",  # local_attention(..., "sdpa")
-    "ulysses_dtensor.attention.packed": "test_cuda_calls_on_cpu.py",  # varlen / flash_attn on shims
     "ulysses_dtensor.data.chat": "test_sft_data.py",  # the chat templates
     "ulysses_dtensor.data.order": "test_data.py",  # the epoch order of the stream
     "ulysses_dtensor.data.readers": "test_data_checks.py",  # every file format read and checked

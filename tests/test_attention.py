@@ -368,6 +368,25 @@ def test_constant_marker_is_what_torch_compiler_sets():
     assert _resolved_default._dynamo_marked_constant
 
 
+def test_varlen_signature_probe_is_a_compile_time_constant():
+    # Compiled blocks ask which keywords torch's varlen_attn takes: dynamo must call
+    # that probe at trace time, not trace a cached function (a warning on torch 2.11).
+    import warnings
+
+    from ulysses_dtensor.attention.packed import _varlen_accepts
+
+    def scaled(x):
+        return x * 2 if _varlen_accepts("scale") else x - 1
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(scaled, fullgraph=True, backend="eager")(torch.ones(3))
+    assert [str(w.message) for w in caught if "lru_cache" in str(w.message)] == []
+    assert torch.equal(out, scaled(torch.ones(3)))
+    assert _varlen_accepts._dynamo_marked_constant and not _varlen_accepts("no_such_keyword")
+
+
 def test_check_backend_suggests_nearest():
     for name in BACKENDS:
         assert check_backend(name) == name

@@ -29,7 +29,7 @@ from ..parallel.documents import (
 )
 from .dense import _repeat_kv
 from .pattern import Pattern
-from .select import FLASH_HEAD_DIM_MULTIPLE, _import_flash_attn
+from .select import FLASH_HEAD_DIM_MULTIPLE, _constant_to_compile, _import_flash_attn
 
 __all__ = ["flash_attn_backend", "varlen_backend"]
 
@@ -67,16 +67,24 @@ def _one_head_dim(q, k, v, scale, multiple: int):
 
 
 @functools.cache
-def _varlen_params() -> frozenset:
+def _varlen_keywords() -> frozenset:
     from torch.nn.attention.varlen import varlen_attn
 
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
+@_constant_to_compile
+def _varlen_accepts(name: str) -> bool:
+    """Whether this torch's ``varlen_attn`` takes keyword ``name`` (its signature
+    changed from 2.10 to 2.12). A constant to torch.compile, which calls it at
+    trace time: traced, the cached signature lookup drew dynamo's lru_cache
+    warning on torch 2.11 (H200, 2026-11-26)."""
+    return name in _varlen_keywords()
+
+
 def varlen_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    params = _varlen_params()
     b, s, hq, _ = q.shape
     hkv = k.shape[2]
     q, k, v, scale, dv = _one_head_dim(q, k, v, scale, FLASH_HEAD_DIM_MULTIPLE)
@@ -86,7 +94,7 @@ def varlen_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tenso
     kwargs = {}
     # The causal flag moved: torch 2.10 takes is_causal, later versions express
     # it (and a sliding window) as a (left, right) window.
-    if "window_size" in params:
+    if _varlen_accepts("window_size"):
         kwargs["window_size"] = _window_size(pattern)
     elif pattern.window is not None:
         raise ValueError(
@@ -97,12 +105,12 @@ def varlen_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tenso
     else:
         kwargs["is_causal"] = pattern.causal
     if hq != hkv:
-        if "enable_gqa" in params:
+        if _varlen_accepts("enable_gqa"):
             kwargs["enable_gqa"] = True
         else:
             k, v = _repeat_kv(k, hq // hkv), _repeat_kv(v, hq // hkv)
     if scale is not None:
-        if "scale" in params:
+        if _varlen_accepts("scale"):
             kwargs["scale"] = scale
         else:
             # Same logits as a custom scale under the kernel's default 1/sqrt(d).
