@@ -122,7 +122,7 @@ def test_the_lease_wrapper_runs_pieces_that_exist():
     import re
 
     text = (REPO / "scripts" / "gpu_check_lease.sh").read_text()
-    named = re.findall(r'gpu_check\.sh "\$out/[abc]" ([a-z_0-9 ]+?) 2>', text)
+    named = re.findall(r'gpu_check\.sh "\$out/[abfc]" ([a-z_0-9 ]+?) 2>', text)
     named += re.search(r"timing=\(([a-z_0-9 ]+)\)", text).group(1).split()
     names = {n for group in named for n in group.split()}
     assert {"tests", "matrix", "matrix_flex", "ring_documents", "smoke", "attn"} <= names
