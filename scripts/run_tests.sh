@@ -16,11 +16,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Two pytest workers (pytest-xdist), each taking whole files (a file's module
 # fixtures run once): most tests wait on their ranks' collectives or on launched
 # processes, and a second worker fills the idle core (10 min -> 7 on 2 cores).
-# Files go out in collection order, which tests/conftest.py sets longest first
-# (xdist's own reorder would put the files with most tests first).
 WORKERS="${TEST_WORKERS:-2}"
 args=(-q -p no:cacheprovider --durations=15)
 if [ "$WORKERS" != 0 ]; then
-    args+=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+    args+=(-n "$WORKERS" --dist loadfile)
 fi
 exec "$PY" -m pytest "${args[@]}" "$@"

@@ -15,40 +15,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
 
-# The files that take longest, longest first (seconds of one clean-clone CI run on
-# 2 cores, 2026-11-26; inductor compiles cold there). Two pytest workers take whole
-# files in collection order (run_tests.sh turns off xdist's own order, which puts the
-# files with most tests first and so left the few-test, slow ones for the end: one
-# worker then ran them alone while the other core idled). Longest first, the last
-# files handed out are short and both workers end together.
-LONGEST_FIRST = (
-    "test_estimate.py",  # 124
-    "test_parallelize.py",  # 114
-    "test_restarts.py",  # 98
-    "test_trainer_transformers.py",  # 60
-    "test_train.py",  # 43
-    "test_lora.py",  # 43
-    "test_hf_integration.py",  # 37
-    "test_benchmarks.py",  # 34
-    "test_eval_trainer.py",  # 30
-    "test_ring.py",  # 23
-    "test_hf_trainer_families.py",  # 23
-    "test_hf_memory.py",  # 21
-    "test_bench_train.py",  # 20
-    "test_bench_data.py",  # 16
-)
-
-
-def _longest_first(items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    # Stable: the other files keep their order, after these.
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect anything: the check sees every test
 def pytest_collection_modifyitems(config, items):
-    """Mark the quick tier (tests/quick_tier.py); an entry naming no test is an error.
-    Then order the files longest first (LONGEST_FIRST)."""
+    """Mark the quick tier (tests/quick_tier.py); an entry naming no test is an error."""
     from quick_tier import TESTS, WHOLE_FILES
 
     found = set()
@@ -68,10 +37,6 @@ def pytest_collection_modifyitems(config, items):
     stale += [name for name in sorted(WHOLE_FILES | TESTS.keys()) if not os.path.exists(os.path.join(here, name))]
     if stale:
         raise pytest.UsageError(f"tests/quick_tier.py names tests that do not exist: {stale}")
-    missing = [name for name in LONGEST_FIRST if not os.path.exists(os.path.join(here, name))]
-    if missing:
-        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that do not exist: {missing}")
-    _longest_first(items)
 
 
 def pytest_collection_finish(session):
