@@ -33,10 +33,14 @@ def parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text())
 
 
+def package_of(module: str) -> str:
+    """The package ``module``'s relative imports start from: itself for a package."""
+    return module if source(module).name == "__init__.py" else module.rpartition(".")[0]
+
+
 def imported_module(module: str, node: ast.ImportFrom) -> str:
     """The module ``from ... import`` names, for that statement in ``module``'s file."""
     if not node.level:
         return node.module or ""
-    parts = module.split(".")
-    package = parts if source(module).name == "__init__.py" else parts[:-1]
+    package = package_of(module).split(".")
     return ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))

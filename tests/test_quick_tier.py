@@ -12,7 +12,7 @@ import ast
 import functools
 from pathlib import Path
 
-from package_source import imported_module, modules, parse, source
+from package_source import imported_module, modules, package_of, parse, source
 from quick_tier import TESTS, THROUGH, WHOLE_FILES
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -43,8 +43,7 @@ def _defining_module(module: str, name: str, library: frozenset[str]) -> str:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in node.targets):
             table = ast.literal_eval(node.value)
             if name in table:
-                package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-                return _defining_module(f"{package}.{table[name].lstrip('.')}", name, library)
+                return _defining_module(f"{package_of(module)}.{table[name].lstrip('.')}", name, library)
     return module
 
 
