@@ -13,6 +13,11 @@ EXTRAS="${EXTRAS:-test}"
 source "$(dirname "${BASH_SOURCE[0]}")/_python_env.sh"
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# About 40 fresh interpreters (pytest workers, forkservers, torchrun ranks, the
+# scripts under test) import this package and the tests: with bytecode writing
+# off (PYTHONDONTWRITEBYTECODE, set on some machines) each compiles them again,
+# pytest's assertion rewriting included (2 s per worker). __pycache__ is ignored by git.
+unset PYTHONDONTWRITEBYTECODE
 # Two pytest workers (pytest-xdist), each taking whole files (a file's module
 # fixtures run once): most tests wait on their ranks' collectives or on launched
 # processes, and a second worker fills the idle core (10 min -> 7 on 2 cores).

@@ -12,6 +12,7 @@ on the first of their replicas (a 4-D mesh whose leading dim enumerates them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -22,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from compile_turns import rank_zero_compiles_first
 from distributed import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -162,8 +164,12 @@ def run_config(world: int, cfg: dict) -> dict | None:
         # init_weights: bit-identical full weights on every mesh.
         assert torch.equal(full, ref["init"][canonical(name)]), f"{cfg}: init of {name} differs"
 
+    # Inductor: the peers load rank 0's kernels from the shared cache instead of
+    # building the same ones at the same time (tests/compile_turns.py).
+    turns = rank_zero_compiles_first() if cfg.get("compile_backend") == "inductor" else contextlib.nullcontext()
     t0 = time.perf_counter()
-    out = train(model, pmesh, STEPS, record=exact)
+    with turns:
+        out = train(model, pmesh, STEPS, record=exact)
     dev["train_s"] = round(time.perf_counter() - t0, 2)
     rel = [abs(a - b) / abs(b) for a, b in zip(out["loss"], ref["loss"])]
     dev["loss_rel"] = max(rel)
