@@ -17,7 +17,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/_python_env.sh"
 cd "$ROOT"
 py="$PY"
 
-gpus="$("$py" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+# Count GPUs through torch only where a GPU device node is present: importing torch
+# costs a CPU-only machine 3 s of the launch. CUDA shows /dev/nvidia<N> (WSL2: /dev/dxg),
+# ROCm /dev/kfd; with none of them torch sees no GPU either.
+if compgen -G "/dev/nvidia[0-9]*" >/dev/null || [ -e /dev/dxg ] || [ -e /dev/kfd ]; then
+    gpus="$("$py" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+else
+    gpus=0
+fi
 if [ -n "${NPROC:-}" ]; then
     nproc="$NPROC"
 elif [ "$gpus" -gt 0 ]; then
