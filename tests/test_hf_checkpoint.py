@@ -34,6 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
+from shards import reference_part
 from transformers_strict import no_transformers_warnings
 
 from ulysses_dtensor.models.llama import Llama, llama_args
@@ -188,16 +189,6 @@ def test_hf_config_errors_name_the_value_and_what_is_supported(families, tmp_pat
 # ---------------------------------------------------------------------------
 
 
-def _local_slice(param, full):
-    """The part of ``full`` that this rank's shard of ``param`` holds."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    for d, (n, o) in enumerate(zip(shape, offset)):
-        full = full.narrow(d, o, n)
-    return full
-
-
 def _sp_parity_task(rank, world, dirs: dict, refs: dict) -> dict:
     import torch.distributed as dist
 
@@ -226,7 +217,7 @@ def _sp_parity_task(rank, world, dirs: dict, refs: dict) -> dict:
             names = hf_names(model.args)
             grad_diff = torch.zeros(())
             for name, p in model.named_parameters():
-                want = _local_slice(p, ref["grads"][names[name]])
+                want = reference_part(ref["grads"][names[name]], p)
                 got = p.grad.to_local()
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=f"{family} {dims} {name}")
                 if got.numel():

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from compile_turns import rank_zero_compiles_first
 from distributed import run_ranks
+from shards import reference_part
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from ulysses_dtensor.models.llama import Llama, llama_args
 from ulysses_dtensor.models.llama_parallelize import clip_grad_norm_, parallelize_llama
@@ -75,18 +76,6 @@ def _mine(t):
     """This rank's part of a parameter or gradient, taken without a collective."""
     return t.to_local() if isinstance(t, DTensor) else t
 
-
-def _part(full, like):
-    """The part of the reference's ``full`` tensor that ``like`` holds on this rank.
-
-    Each rank compares its own shards with the same parts of the reference, so
-    together the ranks compare every element, and no all-gather per parameter is
-    needed (~90 per mesh: a sixth of this file's time on 2 cores). DTensor's own
-    placement rules cut the part (FSDP's uneven and strided shards, TP's).
-    """
-    if not isinstance(like, DTensor):
-        return full
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
 def train(model, pmesh, steps, record):
@@ -177,7 +166,7 @@ def run_config(world: int, cfg: dict) -> dict | None:
     for name, p in held.items():
         assert isinstance(p, DTensor), name
         # init_weights: bit-identical weights on every mesh.
-        assert torch.equal(p.to_local(), _part(ref["init"][name], p)), f"{cfg}: init of {name} differs"
+        assert torch.equal(p.to_local(), reference_part(ref["init"][name], p)), f"{cfg}: init of {name} differs"
 
     turns = contextlib.ExitStack()
     if cfg.get("compile_backend") == "inductor":
@@ -203,8 +192,8 @@ def run_config(world: int, cfg: dict) -> dict | None:
     torch.testing.assert_close(out["norm"], ref["norm"], rtol=1e-5, atol=0, msg=lambda m: f"{cfg}: norm {m}")
     dev["norm_rel"] = max(abs(a - b) / b for a, b in zip(out["norm"], ref["norm"]))
     assert set(out["grads"]) == set(ref["grads"])
-    grads = {n: _part(g, held[n]) for n, g in ref["grads"].items()}
-    params = {n: _part(p, held[n]) for n, p in ref["params"].items()}
+    grads = {n: reference_part(g, held[n]) for n, g in ref["grads"].items()}
+    params = {n: reference_part(p, held[n]) for n, p in ref["params"].items()}
     # This rank's shards (rank 0's figures are the ones printed).
     dev["grad_abs"] = max((out["grads"][n] - g).abs().max().item() for n, g in grads.items())
     dev["param_abs"] = max((out["params"][n] - p).abs().max().item() for n, p in params.items())
