@@ -38,10 +38,10 @@ def rank_zero_compiles_first():
     compile the same graphs in the same order, as a symmetric SPMD step does: a
     rank that compiles more than rank 0 waits ``WAIT`` and fails.
     """
-    tag = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    rank = dist.get_rank()
+    tag = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(tag, src=0)  # keys of this block only: the pool's store outlives tasks
     store = dist.PrefixStore(f"compile_turns/{tag[0]}/", dist.distributed_c10d._get_default_store())
-    rank = dist.get_rank()
     started, ended = [0], [0]
 
     def on_start(_args) -> None:

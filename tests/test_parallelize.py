@@ -77,6 +77,12 @@ def _mine(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def reference_shards(ref: dict, model) -> tuple[dict, dict]:
+    """The reference's step-1 gradients and final parameters, cut to the shards this rank holds."""
+    held = {canonical(n): p for n, p in model.named_parameters()}
+    return ({n: reference_part(g, held[n]) for n, g in ref["grads"].items()},
+            {n: reference_part(p, held[n]) for n, p in ref["params"].items()})
+
 
 def train(model, pmesh, steps, record):
     """AdamW + clipping on this rank's share of each global batch."""
@@ -162,11 +168,11 @@ def run_config(world: int, cfg: dict) -> dict | None:
     ref = reference(flavor, overrides)
     exact = "param_dtype" not in cfg
     dev = {"config": cfg}
-    held = {canonical(name): p for name, p in model.named_parameters()}
-    for name, p in held.items():
+    for name, p in model.named_parameters():
         assert isinstance(p, DTensor), name
         # init_weights: bit-identical weights on every mesh.
-        assert torch.equal(p.to_local(), reference_part(ref["init"][name], p)), f"{cfg}: init of {name} differs"
+        want = reference_part(ref["init"][canonical(name)], p)
+        assert torch.equal(p.to_local(), want), f"{cfg}: init of {name} differs"
 
     turns = contextlib.ExitStack()
     if cfg.get("compile_backend") == "inductor":
@@ -192,8 +198,7 @@ def run_config(world: int, cfg: dict) -> dict | None:
     torch.testing.assert_close(out["norm"], ref["norm"], rtol=1e-5, atol=0, msg=lambda m: f"{cfg}: norm {m}")
     dev["norm_rel"] = max(abs(a - b) / b for a, b in zip(out["norm"], ref["norm"]))
     assert set(out["grads"]) == set(ref["grads"])
-    grads = {n: reference_part(g, held[n]) for n, g in ref["grads"].items()}
-    params = {n: reference_part(p, held[n]) for n, p in ref["params"].items()}
+    grads, params = reference_shards(ref, model)
     # This rank's shards (rank 0's figures are the ones printed).
     dev["grad_abs"] = max((out["grads"][n] - g).abs().max().item() for n, g in grads.items())
     dev["param_abs"] = max((out["params"][n] - p).abs().max().item() for n, p in params.items())

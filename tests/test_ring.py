@@ -20,8 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from shards import reference_part
-from test_parallelize import GRAD_TOL, LOSS_RTOL, PARAM_TOL, SEED, canonical, train
+from test_parallelize import GRAD_TOL, LOSS_RTOL, PARAM_TOL, SEED, reference_shards, train
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ulysses_dtensor.attention import LocalAttention, local_attention
@@ -66,13 +65,11 @@ def _parity(world: int, ring: int, ulysses: int, dp_shard: int) -> dict:
     torch.testing.assert_close(out["norm"], ref["norm"], rtol=1e-5, atol=0, msg=lambda m: f"{what}: norm {m}")
     assert set(out["grads"]) == set(ref["grads"])
     # train() records this rank's shards: compared with the same parts of the reference.
-    held = {canonical(n): p for n, p in model.named_parameters()}
-    grads = {n: reference_part(g, held[n]) for n, g in ref["grads"].items()}
+    grads, params = reference_shards(ref, model)
     for n, g in grads.items():
         torch.testing.assert_close(out["grads"][n], g, **GRAD_TOL, msg=lambda m: f"{what}: grad {n}: {m}")
-    for n, p in ref["params"].items():
-        torch.testing.assert_close(out["params"][n], reference_part(p, held[n]), **PARAM_TOL,
-                                   msg=lambda m: f"{what}: param {n}: {m}")
+    for n, p in params.items():
+        torch.testing.assert_close(out["params"][n], p, **PARAM_TOL, msg=lambda m: f"{what}: param {n}: {m}")
     grad_abs = max((out["grads"][n] - g).abs().max().item() for n, g in grads.items())
     return {"ring": ring, "ulysses": ulysses, "dp_shard": dp_shard, "loss_rel": rel, "grad_abs": grad_abs}
 
