@@ -34,9 +34,14 @@ def inject_test_fault(step: int, dump_folder: Path) -> None:
         if int(fault_rank) != rank or int(fault_step) != step:
             continue
         latch = Path(dump_folder) / f"test_fault-{name}-{rank}-{step}"
+        # Written whole, then linked into place: a test polling for the latch never
+        # reads it half-written, and link() fails where it exists (fires once).
+        draft = latch.with_name(f".{latch.name}.{os.getpid()}")
+        draft.write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
         try:
-            with open(latch, "x") as fh:  # exclusive: fires once
-                json.dump({"pid": os.getpid(), "time": time.time()}, fh)
+            os.link(draft, latch)
         except FileExistsError:
             continue
+        finally:
+            draft.unlink()
         os.kill(os.getpid(), _SIGNALS[name])
