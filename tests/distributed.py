@@ -13,9 +13,10 @@ What a task may rely on, and must leave as it found:
     it, and dynamo's caches are reset;
   * global state (default dtype, grad mode, threads, registries) is restored
     by the pool where it is torch's, and by the task where it is anyone else's.
-A task whose process groups outlive the cleanup (some tasks' groups stay
-referenced from outside Python's reach) retires its pool: the next call forks
-fresh ranks from the preloaded server (about a second).
+A task whose process groups outlive the cleanup retires its pool: the next call
+forks fresh ranks from the preloaded server (about a second). The cleanup frees
+what torch keeps of a task's meshes (DTensor's caches, the compiled functions
+dynamo leaves in module globals), so few do.
 
 An exception on any rank fails the test with that rank's traceback and the
 pool is discarded (the other ranks may be stuck in a collective); the next
@@ -30,6 +31,7 @@ import gc
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -65,9 +67,14 @@ def _destroy_groups_but_world() -> None:
     # when the object is freed, and the task's modules (FSDP state, meshes) hold
     # it in reference cycles that only a full collection breaks. Left to gc's own
     # schedule, hundreds of dead groups piled up per rank, their loops spinning
-    # on sockets the peers had closed (load averages over 100 on 2 cores).
-    gc.collect()
-    _clear_sharding_cache()
+    # on sockets the peers had closed (load averages over 100 on 2 cores). The
+    # caches that hold meshes go first, or the collection cannot free them.
+    _clear_dtensor_caches()
+    # A second pass: what the first one's finalizers let go (FSDP's and the
+    # meshes' cycles hang off each other) holds groups too.
+    for _ in range(3):
+        if not gc.collect():
+            break
 
 
 def _gloo_loops() -> int:
@@ -82,7 +89,7 @@ def _gloo_loops() -> int:
     return n
 
 
-def _clear_sharding_cache() -> None:
+def _clear_dtensor_caches() -> None:
     # DTensor caches sharding decisions per op and input specs (in Python and
     # in its C++ fast path). A DeviceMesh compares equal to any mesh of the same
     # layout and names, whatever its process groups, so a later task building
@@ -95,13 +102,47 @@ def _clear_sharding_cache() -> None:
 
         _clear_sharding_prop_cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear
     _clear_sharding_prop_cache()
+    # Three more caches keep every mesh they saw (torch 2.13): redistribute's planners
+    # and transform plans, keyed by spec, and the collective cost model's topology.
+    # Their groups then outlived the task, and the pool was retired after 29 of 47
+    # tasks in one run (55 pools started; 9 with these cleared).
+    import torch.distributed.tensor._collective_utils as collective_utils
+    import torch.distributed.tensor._redistribute as redistribute
+
+    topology = getattr(getattr(collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
+    for clear in (getattr(redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", None),
+                  getattr(topology, "cache_clear", None)):
+        if clear is not None:
+            clear()
+
+
+def _drop_compiled_functions() -> None:
+    """Remove what dynamo installed in the compiled code's module globals.
+
+    Dynamo binds each compiled graph to a global of the module whose function it
+    compiled (``__compiled_fn_<n>_<uuid>``), and ``torch._dynamo.reset()`` leaves
+    those in place: the graph, its example values (the task's meshes) and their
+    groups then outlive the task.
+    """
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for name in [n for n in names if isinstance(n, str) and n.startswith(_DYNAMO_GLOBALS)]:
+            del names[name]
+
+
+_DYNAMO_GLOBALS = ("__compiled_fn_", "__resume_at_")
 
 
 def _reset_between_tasks() -> None:
     # Sub-groups of the finished task (meshes) would otherwise accumulate:
-    # every group holds sockets and threads in every rank.
-    _destroy_groups_but_world()
+    # every group holds sockets and threads in every rank. Dynamo's caches (guards,
+    # compiled code) hold the task's modules: reset first, so the collection frees them.
     torch._dynamo.reset()
+    _drop_compiled_functions()
+    _destroy_groups_but_world()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(1)
