@@ -104,8 +104,8 @@ def _clear_dtensor_caches() -> None:
     _clear_sharding_prop_cache()
     # Three more caches keep every mesh they saw (torch 2.13): redistribute's planners
     # and transform plans, keyed by spec, and the collective cost model's topology.
-    # Their groups then outlived the task, and the pool was retired after 29 of 47
-    # tasks in one run (55 pools started; 9 with these cleared).
+    # Their groups then outlived the task, which retired its pool: a full run started
+    # 55 pools, and 9 with these cleared (docs/testing.md).
     import torch.distributed.tensor._collective_utils as collective_utils
     import torch.distributed.tensor._redistribute as redistribute
 
