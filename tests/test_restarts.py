@@ -237,7 +237,9 @@ def test_lost_node_without_restarts_fails_fast(tmp_path):
         ended = time.time()
         survivor = next(p for p in job.procs if p.poll() is not None)
     finally:
-        for fault in frozen:  # the frozen rank would wait for SIGCONT forever
+        # The frozen rank would wait for SIGCONT forever: read the latches again, for
+        # a loop that ended (an error) before it saw them.
+        for fault in frozen or job.fired():
             try:
                 os.kill(fault["pid"], signal.SIGKILL)
             except ProcessLookupError:
