@@ -70,8 +70,8 @@ def _destroy_groups_but_world() -> None:
     # on sockets the peers had closed (load averages over 100 on 2 cores). The
     # caches that hold meshes go first, or the collection cannot free them.
     _clear_dtensor_caches()
-    # A second pass: what the first one's finalizers let go (FSDP's and the
-    # meshes' cycles hang off each other) holds groups too.
+    # One collection is not always enough: after a training task, one left 4 of a
+    # rank's gloo loops alive and a second freed them.
     for _ in range(3):
         if not gc.collect():
             break
@@ -105,7 +105,7 @@ def _clear_dtensor_caches() -> None:
     # Three more caches keep every mesh they saw (torch 2.13): redistribute's planners
     # and transform plans, keyed by spec, and the collective cost model's topology.
     # Their groups then outlived the task, which retired its pool: a full run started
-    # 55 pools, and 9 with these cleared (docs/testing.md).
+    # 55 pools, and 9 with this cleanup (docs/testing.md).
     import torch.distributed.tensor._collective_utils as collective_utils
     import torch.distributed.tensor._redistribute as redistribute
 
@@ -115,6 +115,9 @@ def _clear_dtensor_caches() -> None:
                   getattr(topology, "cache_clear", None)):
         if clear is not None:
             clear()
+
+
+_DYNAMO_GLOBALS = ("__compiled_fn_", "__resume_at_")
 
 
 def _drop_compiled_functions() -> None:
@@ -131,9 +134,6 @@ def _drop_compiled_functions() -> None:
             continue
         for name in [n for n in names if isinstance(n, str) and n.startswith(_DYNAMO_GLOBALS)]:
             del names[name]
-
-
-_DYNAMO_GLOBALS = ("__compiled_fn_", "__resume_at_")
 
 
 def _reset_between_tasks() -> None:

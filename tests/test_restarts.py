@@ -367,8 +367,6 @@ def test_resumed_metrics_replace_the_rows_after_the_checkpoint(tmp_path):
 def test_fault_latch_is_whole_when_it_appears_and_fires_once(tmp_path, monkeypatch):
     # The lost-node test polls for the latch while the rank writes it: a half-written
     # one (seen once, as an empty file) must never be visible.
-    import signal as signals
-
     import ulysses_dtensor.trainer.fault_injection as fi
 
     sent = []
@@ -377,7 +375,7 @@ def test_fault_latch_is_whole_when_it_appears_and_fires_once(tmp_path, monkeypat
     monkeypatch.setenv("RANK", "1")
     for step in (2, 3, 3):  # the restarted attempt runs step 3 again: no second fault
         fi.inject_test_fault(step, tmp_path)
-    assert sent == [(os.getpid(), signals.SIGSTOP)]
+    assert sent == [(os.getpid(), signal.SIGSTOP)]
     assert [p.name for p in tmp_path.iterdir()] == ["test_fault-STOP-1-3"]  # no draft left behind
     record = json.loads((tmp_path / "test_fault-STOP-1-3").read_text())
     assert record["pid"] == os.getpid() and abs(record["time"] - time.time()) < 60
