@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 TIMEOUT = datetime.timedelta(seconds=180)
 TASK_TIMEOUT_S = 300.0
 
-__all__ = ["run_ranks", "RankFailure", "destroy_subgroups"]
+__all__ = ["run_ranks", "RankFailure", "destroy_subgroups", "release_task_state"]
 
 
 class RankFailure(AssertionError):
@@ -56,6 +56,19 @@ def destroy_subgroups() -> None:
     many meshes calls this between them (nothing of the old meshes may be used after)."""
     dist.barrier()
     _destroy_groups_but_world()
+    _free_dead_groups()
+
+
+def release_task_state() -> None:
+    """Drop what torch keeps of a finished task (compiled code, meshes) and free its groups.
+
+    What the pool does after every task, for a test that runs a world in its own
+    process and has just destroyed it: dynamo's caches and the compiled functions
+    it left in module globals hold the task's modules and meshes.
+    """
+    torch._dynamo.reset()
+    _drop_compiled_functions()
+    _free_dead_groups()
 
 
 def _destroy_groups_but_world() -> None:
@@ -63,6 +76,9 @@ def _destroy_groups_but_world() -> None:
     for pg in list(dist.distributed_c10d._world.pg_map):
         if pg is not world:
             dist.destroy_process_group(pg)
+
+
+def _free_dead_groups() -> None:
     # destroy_process_group only unregisters a group: its sockets and threads go
     # when the object is freed, and the task's modules (FSDP state, meshes) hold
     # it in reference cycles that only a full collection breaks. Left to gc's own
@@ -138,11 +154,9 @@ def _drop_compiled_functions() -> None:
 
 def _reset_between_tasks() -> None:
     # Sub-groups of the finished task (meshes) would otherwise accumulate:
-    # every group holds sockets and threads in every rank. Dynamo's caches (guards,
-    # compiled code) hold the task's modules: reset first, so the collection frees them.
-    torch._dynamo.reset()
-    _drop_compiled_functions()
+    # every group holds sockets and threads in every rank.
     _destroy_groups_but_world()
+    release_task_state()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(1)

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
+from distributed import release_task_state, run_ranks
 from script_module import load_script
 
 from ulysses_dtensor.estimate import GIB, find_max_seq_len, plan_memory
@@ -224,12 +224,9 @@ def _in_process_gloo_world_of_one(fn, *args) -> None:
     """``fn(0, 1, *args)`` in this process on a gloo group of one rank.
 
     Spawning a pool of one costs an interpreter and its imports (seconds on 2
-    cores) for what this process can run itself; the caches that outlive the
-    group (DTensor's sharding decisions, dynamo's) are cleared after it, as
-    the pool does between tasks.
+    cores) for what this process can run itself; what torch keeps of it after
+    the group is gone is dropped as the pool does between tasks.
     """
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     threads = torch.get_num_threads()
@@ -237,8 +234,7 @@ def _in_process_gloo_world_of_one(fn, *args) -> None:
         fn(0, 1, *args)
     finally:
         dist.destroy_process_group()
-        _clear_sharding_prop_cache()
-        torch._dynamo.reset()
+        release_task_state()
         torch.set_num_threads(threads)
 
 
