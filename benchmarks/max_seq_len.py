@@ -76,8 +76,9 @@ def heads(model: str) -> tuple[int, int]:
     if model in FLAVORS:
         a = FLAVORS[model]
         return a.n_heads, a.n_kv_heads
-    from ulysses_dtensor.integrations.hf_causal_lm import causal_lm_shape
     from transformers import AutoConfig
+
+    from ulysses_dtensor.integrations.hf.causal_lm import causal_lm_shape
 
     shape = causal_lm_shape(AutoConfig.from_pretrained(HF_CONFIGS / model))
     return shape.n_heads, shape.n_kv_heads

@@ -38,8 +38,7 @@ from ulysses_dtensor.data import (
     TokenStream,
     build_source,
 )
-from ulysses_dtensor.integrations.hf import parallelize_hf_model, shard_hf_batch
-from ulysses_dtensor.integrations.hf_checkpoint import load_hf_weights, save_hf_weights
+from ulysses_dtensor.integrations.hf import load_hf_weights, parallelize_hf_model, save_hf_weights, shard_hf_batch
 from ulysses_dtensor.runtime.process_group import exit_process, finish_together
 
 

@@ -2,7 +2,7 @@
 
 Runs ``tests/test_family_matrix.py::test_full_matrix`` with ``ULYSSES_FAMILY_MATRIX_OUT`` (the
 pooled ranks measure every family of the installed transformers on every mesh it needs;
-the suite itself skips it and re-measures a sample only), writes ``ulysses_dtensor/integrations/family_results.json``, then
+the suite itself skips it and re-measures a sample only), writes ``ulysses_dtensor/integrations/hf/matrix/results.json``, then
 ``scripts/family_table.py`` rewrites the family table of ``docs/transformers-models.md``. Run it after a
 transformers upgrade or a change to the integration that moves a family::
 
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "ulysses_dtensor" / "integrations" / "family_results.json"
+RESULTS = ROOT / "ulysses_dtensor" / "integrations" / "hf" / "matrix" / "results.json"
 TEST = "tests/test_family_matrix.py::test_full_matrix"
 
 

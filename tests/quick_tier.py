@@ -121,17 +121,17 @@ THROUGH = {
     "ulysses_dtensor.export.transformers": "test_hf_rope.py::test_trainer_stage_ropes_on_a_transformers_model",
     "ulysses_dtensor.evaluation.plots": "test_evaluation.py::test_report_rows_round_trip_and_redraw_the_plots",
     "ulysses_dtensor.export.native": "test_hf_checkpoint.py::test_export_round_trip_every_family_and_our_own_flavor",
-    "ulysses_dtensor.integrations.hf_checkpoint": "test_hf_integration.py::test_example_hf_custom_loop_trains_loads_and_saves",
-    "ulysses_dtensor.integrations.hf_linear_attention":
+    "ulysses_dtensor.integrations.hf.checkpoint_io": "test_hf_integration.py::test_example_hf_custom_loop_trains_loads_and_saves",
+    "ulysses_dtensor.integrations.hf.mixers.gated_delta_net":
         "test_hf_linear_attention.py::test_gated_delta_restarts_equal_each_document_alone",
-    "ulysses_dtensor.integrations.hf_mamba": "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
-    "ulysses_dtensor.integrations.hf_mixers": "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
-    "ulysses_dtensor.integrations.hf_short_conv":
+    "ulysses_dtensor.integrations.hf.mixers.mamba": "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
+    "ulysses_dtensor.integrations.hf.mixers.layer_types": "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
+    "ulysses_dtensor.integrations.hf.mixers.short_conv":
         "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
-    "ulysses_dtensor.integrations.mixer_style":
+    "ulysses_dtensor.integrations.hf.mixers.style":
         "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
-    "ulysses_dtensor.integrations.hf_moe": "test_hf_memory.py::test_usp_ring_matches_unsharded_for_causal_families",
-    "ulysses_dtensor.integrations.hf_positions": "test_hf_memory.py::test_usp_ring_matches_unsharded_for_causal_families",
+    "ulysses_dtensor.integrations.hf.moe": "test_hf_memory.py::test_usp_ring_matches_unsharded_for_causal_families",
+    "ulysses_dtensor.integrations.hf.positions": "test_hf_memory.py::test_usp_ring_matches_unsharded_for_causal_families",
     "ulysses_dtensor.parallel.comm_timing": "test_ring.py::test_trainer_losses_mesh_independent_with_ring",
     "ulysses_dtensor.runtime.process_group": "test_ring.py::test_trainer_losses_mesh_independent_with_ring",
     "ulysses_dtensor.runtime.suggest": "test_config.py",  # "did you mean" on a mistyped key

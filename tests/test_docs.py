@@ -361,7 +361,8 @@ def _bound_names(module: str) -> set[str] | None:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {t.id for t in targets if isinstance(t, ast.Name)}
-            if module == "ulysses_dtensor" and isinstance(node.value, ast.Dict):  # the lazy _EXPORTS
+            if "_EXPORTS" in {t.id for t in targets if isinstance(t, ast.Name)} and isinstance(node.value, ast.Dict):
+                # a package's lazy public names (ulysses_dtensor, integrations.hf)
                 names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
     return names
 

@@ -35,7 +35,7 @@ class _results:
     def __enter__(self):
         import os
 
-        from ulysses_dtensor.integrations import family_results
+        from ulysses_dtensor.integrations.hf.matrix import results as family_results
 
         self.key = family_results.RESULTS_ENV
         self.saved = os.environ.get(self.key)
@@ -57,9 +57,9 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
 
     import transformers
 
-    from ulysses_dtensor.integrations import family_matrix
+    from ulysses_dtensor.integrations.hf.matrix import tiny_configs as family_matrix
     from ulysses_dtensor.integrations.hf import parallelize_hf_model
-    from ulysses_dtensor.integrations.hf_attention import UlyssesCore
+    from ulysses_dtensor.integrations.hf.attention_function import UlyssesCore
 
     transformers.logging.set_verbosity_error()
     path = Path(tmp) / f"results{rank}.json"

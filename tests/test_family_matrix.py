@@ -4,7 +4,7 @@ The full matrix (``scripts/family_matrix.py``: every model type of transformers'
 causal-LM mapping, every decoder family at sp 2, those whose layers pass a
 window, a soft-cap or sinks, use MLA or hold other token mixers also at sp 4 and
 dp_shard 2 x sp 2; minutes on 2 cores) writes the checked-in
-``ulysses_dtensor/integrations/family_results.json``. The suite checks that file
+``ulysses_dtensor/integrations/hf/matrix/results.json``. The suite checks that file
 against the installed code, cheaply:
 
 * it covers exactly the installed transformers' causal-LM mapping, for its
@@ -47,8 +47,8 @@ if importlib.util.find_spec("transformers") is None:
 from distributed import run_ranks  # noqa: E402
 from test_hf_integration import build_pmesh, registry_restored  # noqa: E402
 
-from ulysses_dtensor.integrations import family_runs  # noqa: E402
-from ulysses_dtensor.integrations.family_results import RESULTS_PATH  # noqa: E402
+from ulysses_dtensor.integrations.hf.matrix import runs as family_runs  # noqa: E402
+from ulysses_dtensor.integrations.hf.matrix.results import RESULTS_PATH  # noqa: E402
 
 STATUSES = ("pass", "refused", "fail", "text path")
 MIN_PASSING = 100
@@ -77,11 +77,12 @@ def _installed() -> str:
 
 
 def test_results_cover_the_installed_transformers():
-    from ulysses_dtensor.integrations import family_check, family_matrix
+    from ulysses_dtensor.integrations.hf.matrix import check as family_check
+    from ulysses_dtensor.integrations.hf.matrix import tiny_configs as family_matrix
 
     doc = _results()
     assert doc["transformers"] == _installed(), (
-        f"family_results.json is for transformers {doc['transformers']}, this is {_installed()}: "
+        f"results.json is for transformers {doc['transformers']}, this is {_installed()}: "
         "regenerate it with python scripts/family_matrix.py")
     families = doc["families"]
     assert sorted(families) == sorted(family_matrix.causal_lm_types()), \
@@ -107,7 +108,7 @@ def test_results_cover_the_installed_transformers():
         else:
             assert entry["reason"], model_type
     by = Counter((e["category"], e["status"]) for e in families.values())
-    print("\nfamily_results.json (transformers " + doc["transformers"] + "): " + ", ".join(
+    print("\nresults.json (transformers " + doc["transformers"] + "): " + ", ".join(
         f"{c} {s} {n}" for (c, s), n in sorted(by.items())))
     assert by[("decoder", "pass")] >= MIN_PASSING, by
     assert by[("decoder", "fail")] == 0, [t for t, e in families.items() if e["status"] == "fail"]
@@ -149,7 +150,7 @@ def _sample_worker(rank: int, world: int, model_types: list[str], dims: tuple) -
 
 def _check_run(model_type: str, mesh: str, got: dict, entry: dict) -> str | None:
     """What of one live run differs from the checked-in entry (None: nothing)."""
-    from ulysses_dtensor.integrations import family_check
+    from ulysses_dtensor.integrations.hf.matrix import check as family_check
 
     if entry["status"] == "refused":
         want = entry["reason"]
@@ -182,7 +183,7 @@ def test_a_sample_of_families_measures_as_checked_in():
             problem = _check_run(model_type, mesh, run, families[model_type])
             if problem:
                 problems.append(f"{model_type} ({mesh}): {problem}")
-    assert not problems, (f"measured again, these families no longer match family_results.json (sample "
+    assert not problems, (f"measured again, these families no longer match results.json (sample "
                           f"{SAMPLE_ENV}={','.join(at_sp2[len(FIXED_SAMPLE):] + [windowed])}; regenerate with "
                           "scripts/family_matrix.py if the change is intended):\n" + "\n".join(problems))
 
@@ -194,7 +195,7 @@ def test_a_sample_of_families_measures_as_checked_in():
 
 def _structural(model_type: str, entry: dict) -> bool:
     """A decoder family refused by a check that reads the model (not its run, its config or an override)."""
-    from ulysses_dtensor.integrations.family_matrix import OVERRIDES
+    from ulysses_dtensor.integrations.hf.matrix.tiny_configs import OVERRIDES
 
     reason = entry.get("reason", "")
     runs = tuple(f"{family_runs.mesh_name(d)}:" for d in (family_runs.FIRST_MESH, *family_runs.EXTRA_MESHES))
@@ -207,9 +208,9 @@ def test_every_refused_family_is_refused_with_its_reason():
     import torch
     from transformers import PretrainedConfig
 
-    from ulysses_dtensor.integrations import family_matrix
+    from ulysses_dtensor.integrations.hf.matrix import tiny_configs as family_matrix
     from ulysses_dtensor.integrations.hf import parallelize_hf_model
-    from ulysses_dtensor.integrations.hf_families import check_known_family
+    from ulysses_dtensor.integrations.hf.families import check_known_family
     from ulysses_dtensor.parallel.mesh import ParallelDims
 
     families = _results()["families"]
@@ -258,7 +259,7 @@ def _first_worker(rank: int, world: int):
     import torch
     import transformers
 
-    from ulysses_dtensor.integrations import family_matrix
+    from ulysses_dtensor.integrations.hf.matrix import tiny_configs as family_matrix
 
     transformers.logging.set_verbosity_error()
     with registry_restored():

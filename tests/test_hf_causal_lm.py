@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm  # noqa: E402
-from ulysses_dtensor.integrations.hf_output_head import check_output_head  # noqa: E402
-from ulysses_dtensor.integrations.hf_weights import load_transformers_weights  # noqa: E402
+from ulysses_dtensor.integrations.hf.causal_lm import adapt_causal_lm  # noqa: E402
+from ulysses_dtensor.integrations.hf.output_head import check_output_head  # noqa: E402
+from ulysses_dtensor.integrations.hf.weights import load_transformers_weights  # noqa: E402
 
 VOCAB, SEQ = 96, 20
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

@@ -213,7 +213,7 @@ def test_hybrid_models_match_unsharded_on_every_mesh():
 def _kernels_worker(rank: int, world: int) -> dict:
     from transformers.models.qwen3_next import modeling_qwen3_next as own
 
-    from ulysses_dtensor.integrations.gated_delta import (
+    from ulysses_dtensor.mixers.gated_delta import (
         causal_conv_documents,
         chunk_gated_delta_rule_documents,
     )

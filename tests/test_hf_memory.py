@@ -238,7 +238,7 @@ def _lean_norms_found() -> str:
     bitwise to be one of rms_norm's formulas, no other."""
     from torch import nn
 
-    from ulysses_dtensor.integrations.hf_memory import LeanRMSNorm, lean_norms
+    from ulysses_dtensor.integrations.hf.memory_switches import LeanRMSNorm, lean_norms
 
     class NotANorm(nn.Module):  # an RMSNorm's shape and attributes, another forward
         def __init__(self):

@@ -72,8 +72,8 @@ def _rel(got, want) -> float:
 
 
 def test_set_rope_equals_a_fresh_transformers_model_of_that_rope():
-    from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm
-    from ulysses_dtensor.integrations.hf_rope import export_rope_fields
+    from ulysses_dtensor.integrations.hf.causal_lm import adapt_causal_lm
+    from ulysses_dtensor.integrations.hf.rotary import export_rope_fields
 
     ids = torch.randint(0, integration.VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     worst = {}
@@ -111,8 +111,8 @@ def test_set_rope_equals_a_fresh_transformers_model_of_that_rope():
 
 def _global_length_task(rank, world):
     from ulysses_dtensor.integrations.hf import parallelize_hf_model
-    from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm
-    from ulysses_dtensor.integrations.hf_rope import export_rope_fields
+    from ulysses_dtensor.integrations.hf.causal_lm import adapt_causal_lm
+    from ulysses_dtensor.integrations.hf.rotary import export_rope_fields
     from ulysses_dtensor.parallel.mesh import ParallelDims
 
     seq = 48

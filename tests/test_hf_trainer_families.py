@@ -40,11 +40,10 @@ import torch.nn.functional as F
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("needs the hf extra (transformers)", allow_module_level=True)
 
-from distributed import run_ranks  # noqa: E402
-from packed_reference import document_spans  # noqa: E402
-
 import test_hf_integration as integration  # noqa: E402
 import test_hf_linear_attention as linear  # noqa: E402
+from distributed import run_ranks  # noqa: E402
+from packed_reference import document_spans  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, BATCH, STEPS, LR = 320, 32, 2, 2, 3e-3
@@ -220,8 +219,8 @@ def _vl_export(tmp_path, trained_ref) -> str:
     from transformers_strict import no_transformers_warnings
 
     from ulysses_dtensor.export import main as export_main
-    from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm
-    from ulysses_dtensor.integrations.hf_weights import init_non_persistent_buffers
+    from ulysses_dtensor.integrations.hf.causal_lm import adapt_causal_lm
+    from ulysses_dtensor.integrations.hf.weights import init_non_persistent_buffers
     from ulysses_dtensor.trainer.checkpoint import load_model_weights
 
     src, ckpt, out = tmp_path / VL, tmp_path / "runs" / VL / "checkpoint" / f"step-{STEPS}", tmp_path / "vl_hf"
@@ -310,7 +309,8 @@ def trainer_sample() -> list[str]:
 
 def _matrix_model(name: str):
     """The family matrix's tiny model of ``name`` with the byte tokenizer's vocabulary."""
-    from ulysses_dtensor.integrations import family_check, family_matrix
+    from ulysses_dtensor.integrations.hf.matrix import check as family_check
+    from ulysses_dtensor.integrations.hf.matrix import tiny_configs as family_matrix
 
     config = family_matrix.tiny_config(name)
     config.get_text_config().vocab_size = VOCAB
@@ -349,7 +349,7 @@ def _export_diff(src, ckpt, out, trained_ref) -> tuple[float, float]:
     from transformers_strict import no_transformers_warnings
 
     from ulysses_dtensor.export import main as export_main
-    from ulysses_dtensor.integrations.hf_weights import init_non_persistent_buffers
+    from ulysses_dtensor.integrations.hf.weights import init_non_persistent_buffers
     from ulysses_dtensor.trainer.checkpoint import load_model_weights
 
     assert export_main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0

@@ -249,8 +249,8 @@ def _trained_model(hf_dir, ckpt):
     """The trainer's LoRA model of a checkpoint, in this process, called as the trainer calls it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm
-    from ulysses_dtensor.integrations.hf_weights import load_transformers_weights
+    from ulysses_dtensor.integrations.hf.causal_lm import adapt_causal_lm
+    from ulysses_dtensor.integrations.hf.weights import load_transformers_weights
     from ulysses_dtensor.integrations.lora import LoraSpec, add_lora
     from ulysses_dtensor.trainer.checkpoint import load_model_weights
 

@@ -229,7 +229,7 @@ def test_throughput_follows_the_formula_on_every_mesh(runs):
         cfg = load_config(argv)
         vocab = resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
         if model == "transformers":  # the adapter's count, on the meta model
-            from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm
+            from ulysses_dtensor.integrations.hf.causal_lm import adapt_causal_lm
             from ulysses_dtensor.trainer.hf_model import _hf_config, _meta_model
 
             flops = adapt_causal_lm(_meta_model(_hf_config(cfg))).flops_per_token

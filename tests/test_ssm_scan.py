@@ -52,7 +52,7 @@ def _worker(rank: int, world: int) -> dict:
     from transformers.models.jamba import modeling_jamba as jamba
     from transformers.models.mamba2 import modeling_mamba2 as mamba2
 
-    from ulysses_dtensor.integrations.ssm_scan import selective_scan_documents, ssd_documents
+    from ulysses_dtensor.mixers.ssm_scan import selective_scan_documents, ssd_documents
 
     g = torch.Generator().manual_seed(rank)
     f64 = dict(generator=g, dtype=torch.float64)

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed import run_ranks
 from packed_reference import builtin_corpus_loader, reference_step, trainer_adamw, trainer_jobs
+
 from ulysses_dtensor.trainer.config import ConfigError, load_config, model_args, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,8 +183,8 @@ def _trained_model(hf_dir, ckpt):
     """The trainer's model of a checkpoint, in this process, called as the trainer calls it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ulysses_dtensor.integrations.hf_causal_lm import adapt_causal_lm
-    from ulysses_dtensor.integrations.hf_weights import init_non_persistent_buffers
+    from ulysses_dtensor.integrations.hf.causal_lm import adapt_causal_lm
+    from ulysses_dtensor.integrations.hf.weights import init_non_persistent_buffers
     from ulysses_dtensor.trainer.checkpoint import load_model_weights
 
     with torch.device("meta"):

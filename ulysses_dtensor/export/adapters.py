@@ -102,7 +102,7 @@ def _source_model(info: dict):
 
 
 def _rope_changed(model, info: dict) -> bool:
-    from ..integrations.hf_rope import rope_support
+    from ..integrations.hf.rotary import rope_support
     from ..models.rope import RopeConfig
 
     return bool(info.get("rope")) and RopeConfig.from_dict(info["rope"]) != rope_support(model).rope

@@ -37,7 +37,7 @@ _LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
 def _meta_model(source: dict):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from ..integrations.hf_causal_lm import auto_model_class
+    from ..integrations.hf.causal_lm import auto_model_class
 
     model_type = source.get("model_type")
     if model_type not in CONFIG_MAPPING:
@@ -78,7 +78,7 @@ def _raise_max_len(config: dict, max_len: int) -> dict:
 def _trained_config(model, source: dict, info: dict) -> tuple[dict, str | None]:
     """The source config.json with the rope the checkpoint trained with last (when a
     context stage changed it) and max_position_embeddings raised to the longest trained."""
-    from ..integrations.hf_rope import export_rope_fields, rope_support
+    from ..integrations.hf.rotary import export_rope_fields, rope_support
     from ..models.rope import RopeConfig
 
     max_len = int(info.get("max_seq_len") or 0)
@@ -95,7 +95,7 @@ def export_transformers_checkpoint(ckpt: Path, out: Path, info: dict, *, dtype: 
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
-    from ..integrations.hf_weights import unique_state_dict
+    from ..integrations.hf.weights import unique_state_dict
     from .files import DTYPES, copy_tokenizer, parse_size
 
     source = info.get("hf_config")

@@ -1,10 +1,10 @@
 """Ulysses SP for models from other libraries, through their own extension points.
+One folder or module per library:
 
-* ``integrations.hf``: unmodified Hugging Face ``transformers`` causal LMs (the
-  ``hf`` extra), hybrids with gated delta-net layers included
-  (``integrations.hf_linear_attention``); ``hf_weights`` loads their checkpoints shard by
-  shard in any layout transformers converts, ``hf_causal_lm`` gives them the trainer's
-  call interface (``model.implementation = "transformers"``);
+* ``integrations.hf``: unmodified Hugging Face ``transformers`` causal LMs (the ``hf``
+  extra): the parallelize entry, the registry attention function, batches and positions,
+  rope, MoE, memory switches, the trainer's causal-LM adapter, weights in and out, the
+  hybrid layers' token mixers (``hf/mixers/``) and the family matrix (``hf/matrix/``);
 * ``integrations.lora``: ``peft``'s LoRA adapters on a model about to be parallelized
   (transformers' or this package's Llama; the ``lora`` extra);
 * ``integrations.torchtitan``: a plug-in for torchtitan 0.3.0's own models and

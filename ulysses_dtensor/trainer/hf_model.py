@@ -8,10 +8,10 @@
   :func:`~ulysses_dtensor.integrations.hf.parallelize_hf_model` (Ulysses or
   USP, the memory switches, activation checkpointing, compile, FSDP2 / HSDP),
   materialised, its weights
-  read shard by shard (:func:`~ulysses_dtensor.integrations.hf_weights.load_transformers_weights`),
-  and given the Llama's call interface (:func:`~ulysses_dtensor.integrations.hf_causal_lm.adapt_causal_lm`).
+  read shard by shard (:func:`~ulysses_dtensor.integrations.hf.weights.load_transformers_weights`),
+  and given the Llama's call interface (:func:`~ulysses_dtensor.integrations.hf.causal_lm.adapt_causal_lm`).
   Any family the integration runs; context stages change its rope
-  (``set_rope``, :mod:`~ulysses_dtensor.integrations.hf_rope`) and MoE models with
+  (``set_rope``, :mod:`~ulysses_dtensor.integrations.hf.rotary`) and MoE models with
   ``output_router_logits`` train with their router load-balancing loss.
 * ``auto`` (default): ``native`` when our Llama can load the checkpoint,
   ``transformers`` otherwise; the run's banner says which and why.
@@ -115,14 +115,14 @@ def _hf_config(cfg):
 
 
 def transformers_args(cfg):
-    """The :class:`~ulysses_dtensor.integrations.hf_causal_lm.CausalLMShape` of ``hf_path``."""
-    from ..integrations.hf_causal_lm import causal_lm_shape
+    """The :class:`~ulysses_dtensor.integrations.hf.causal_lm.CausalLMShape` of ``hf_path``."""
+    from ..integrations.hf.causal_lm import causal_lm_shape
 
     return causal_lm_shape(_hf_config(cfg))
 
 
 def _meta_model(config, n_layers: int | None = None):
-    from ..integrations.hf_causal_lm import auto_model_class
+    from ..integrations.hf.causal_lm import auto_model_class
 
     if n_layers:
         config = _with_layers(config, n_layers)
@@ -168,12 +168,12 @@ def check_transformers_model(cfg, dims, *, weights: bool = True) -> None:
     except ValueError as e:  # not a causal LM architecture transformers knows
         why = str(e).split("\nModel type should be one of")[0]  # not the list of every class
         raise ConfigError(f"{_where(cfg)}: not a causal LM transformers can build: {why}") from None
-    from ..integrations.hf import _check_model, check_ring_model, check_tp_model
-    from ..integrations.hf_attention import check_backend_for_patterns, model_patterns
-    from ..integrations.hf_causal_lm import router_aux_setup
-    from ..integrations.hf_memory import per_token_blocks
-    from ..integrations.hf_output_head import check_output_head
-    from ..integrations.hf_rope import rope_support
+    from ..integrations.hf.attention_function import check_backend_for_patterns, model_patterns
+    from ..integrations.hf.causal_lm import router_aux_setup
+    from ..integrations.hf.memory_switches import per_token_blocks
+    from ..integrations.hf.output_head import check_output_head
+    from ..integrations.hf.parallelize_model import _check_model, check_ring_model, check_tp_model
+    from ..integrations.hf.rotary import rope_support
     from .rope_stages import stage_ropes
 
     name = type(model).__name__
@@ -215,9 +215,9 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
     config's activation checkpointing, compile, mixed precision, attention backend),
     materialised on ``device`` with the weights of ``hf_path`` (``init_weights``;
     else left for a checkpoint to fill), with the trainer's call interface."""
-    from ..integrations.hf import parallelize_hf_model
-    from ..integrations.hf_causal_lm import adapt_causal_lm
-    from ..integrations.hf_weights import (
+    from ..integrations.hf.causal_lm import adapt_causal_lm
+    from ..integrations.hf.parallelize_model import parallelize_hf_model
+    from ..integrations.hf.weights import (
         init_non_persistent_buffers,
         load_transformers_weights,
         weight_conversions,
@@ -272,7 +272,7 @@ def _shard_vision(model, pmesh, param_dtype, reduce_dtype, offload_params: bool)
         fully_shard,
     )
 
-    from ..integrations.hf_causal_lm import freeze_vision_modules
+    from ..integrations.hf.causal_lm import freeze_vision_modules
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     policy = CPUOffloadPolicy(pin_memory=pmesh.param_mesh.device_type == "cuda") if offload_params else OffloadPolicy()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..integrations.hf_rope import RopeSupport
+from ..integrations.hf.rotary import RopeSupport
 from ..models.rope import ROPE_TYPES, RopeConfig, RopeError
 from .config_schema import ConfigError, JobConfig
 
@@ -51,7 +51,7 @@ def stage_ropes(
     """The rope of every stage of ``cfg.stages()`` (ConfigError naming the stage's key).
 
     ``args``: the model's LlamaArgs (its ``rope`` and ``head_dim``), or a
-    transformers model's :class:`~ulysses_dtensor.integrations.hf_rope.RopeSupport`
+    transformers model's :class:`~ulysses_dtensor.integrations.hf.rotary.RopeSupport`
     (:func:`rope_args`). None for a model whose rope cannot change (Gemma3's
     per-layer-type ropes) when no stage sets one; a stage that does is an error
     naming its key and the reason.

@@ -12,14 +12,14 @@ Pieces, each on one of torchtitan's extension points:
   ``ulysses.attention_backend``);
 * :mod:`.trainer`: ``UlyssesTrainer`` (a ``Trainer`` subclass with its
   ``Config``), ``UlyssesValidator``;
-* :mod:`.metrics`: ``UlyssesMetricsProcessor`` (torchtitan's, with the max
+* :mod:`.metrics_processor`: ``UlyssesMetricsProcessor`` (torchtitan's, with the max
   loss taken over whole samples, not sp slices);
 * :mod:`.parallelize`: the ``ModelSpec.parallelize_fn`` (our ``UlyssesAttention``
   inside ``layers.*.attention.inner_attention``, then torchtitan's TP / EP, AC,
   compile, FSDP2; its pipeline split calls it per stage);
 * :mod:`.attention`: our local backends as an inner-attention module, installed
   by a torchtitan override;
-* :mod:`.batch`: the sp slice of a batch with global positions and masks.
+* :mod:`.sp_batch`: the sp slice of a batch with global positions and masks.
 
 The version is checked here, before anything imports torchtitan.
 """

@@ -7,7 +7,7 @@ heads, so any single-rank kernel works there. torchtitan 0.3.0 ships SDPA
 (causal only, no document masks), Flex and Varlen; :class:`UlyssesInnerAttention`
 adds ours: ``sdpa`` with document masks (CPU and GPU), the flash-attn package,
 torch varlen and flex, all taking packed documents as GLOBAL document ids in
-``attention_masks`` (built by :mod:`.batch` from the unsharded positions).
+``attention_masks`` (built by :mod:`.sp_batch` from the unsharded positions).
 
 The swap is a torchtitan override (``config/override.py``): listing
 ``ulysses_dtensor.integrations.torchtitan.attention.ulysses_inner_attention``
@@ -29,7 +29,7 @@ from torchtitan.config.override import override
 from torchtitan.models.common.attention import BaseAttention
 from torchtitan.protocols.module import Module
 
-from ...attention import check_backend, local_attention
+from ulysses_dtensor.attention import check_backend, local_attention
 
 __all__ = ["OVERRIDE_TARGET", "UlyssesInnerAttention", "ulysses_inner_attention"]
 

@@ -47,8 +47,8 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.models.deepseek_v3.mtp import apply_fsdp_to_mtp_decoder
 from torchtitan.protocols.model_spec import ModelSpec
 
-from ...parallel.tensor_parallel import check_tp_heads
-from ...parallel.ulysses import UlyssesAttention, kv_replication
+from ulysses_dtensor.parallel.tensor_parallel import check_tp_heads
+from ulysses_dtensor.parallel.ulysses import UlyssesAttention, kv_replication
 
 __all__ = [
     "check_heads",

@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
-from ...attention import document_ids_from_position_ids
+from ulysses_dtensor.attention import document_ids_from_position_ids
+
 from .attention import UlyssesInnerAttention
 
 __all__ = ["global_attention_masks", "shard_for_sp"]

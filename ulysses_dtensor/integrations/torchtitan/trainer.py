@@ -8,11 +8,11 @@ the loss mesh and the FSDP mesh (``fsdp = dp_shard x cp``) include them, so the
 loss is reduced over every rank and parameters are sharded over
 ``dp_shard x sp``; its throughput figures divide by the cp degree. None of
 torchtitan's own context parallelism runs: the parallelize function is ours
-(:mod:`.parallelize`), and so is the batch step (:mod:`.batch`), here and in
+(:mod:`.parallelize`), and so is the batch step (:mod:`.sp_batch`), here and in
 the validator. ``parallelism.context_parallel_degree`` therefore stays 1.
 
 Metrics: torchtitan's, except its max loss, which the plug-in takes over whole
-samples (the sp ranks of a group add their loss sums first; see :mod:`.metrics`).
+samples (the sp ranks of a group add their loss sums first; see :mod:`.metrics_processor`).
 
 Extension points used (nothing inside torchtitan is patched): a ``Trainer``
 subclass with its nested ``Config``, ``ModelSpec.parallelize_fn`` replaced with
@@ -34,9 +34,10 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from ...attention import BACKENDS
-from ...parallel.mesh import divisors
-from ...runtime.suggest import unknown_name
+from ulysses_dtensor.attention import BACKENDS
+from ulysses_dtensor.parallel.mesh import divisors
+from ulysses_dtensor.runtime.suggest import unknown_name
+
 from ._torch_compat import ensure_microbatch_step, ensure_set_timeout
 from .attention import OVERRIDE_TARGET
 from .metrics_processor import UlyssesMetricsProcessor, max_loss_config

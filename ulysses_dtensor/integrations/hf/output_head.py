@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..memory.tiling import auto_loss_chunks
-from ..parallel.loss import IGNORE_INDEX
+from ulysses_dtensor.memory.tiling import auto_loss_chunks
+from ulysses_dtensor.parallel.loss import IGNORE_INDEX
 
 __all__ = ["OutputHead", "OutputHeadSpec", "SPOutputHead", "check_output_head", "output_head_spec"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..models.rope import ROPE_PARAMETERS, RopeConfig, RopeError
+from ulysses_dtensor.models.rope import ROPE_PARAMETERS, RopeConfig, RopeError
 
 __all__ = ["RopeSupport", "check_family_rope", "export_rope_fields", "rope_inv_freq", "rope_support", "set_rotary"]
 
@@ -98,7 +98,7 @@ def rope_support(model: nn.Module) -> RopeSupport:
 def _config_with(text_config, rope: RopeConfig, extras: dict):
     """A copy of ``text_config`` whose rope is ``rope`` (what a config.json written by
     :func:`export_rope_fields` loads as)."""
-    from ..models.llama_checkpoint import hf_rope_fields
+    from ulysses_dtensor.models.llama_checkpoint import hf_rope_fields
 
     config = copy.deepcopy(text_config)
     config.rope_parameters = {**extras, **rope.parameters()}
@@ -160,7 +160,7 @@ def export_rope_fields(config: dict, rope: RopeConfig, *, trained_len: int) -> t
     ``text_config``) with ``rope`` written so that transformers computes it, and
     ``max_position_embeddings`` per :func:`~ulysses_dtensor.models.llama_checkpoint.hf_rope_fields`;
     family keys (``partial_rotary_factor``, ``mrope_section``) kept. Returns (config, note)."""
-    from ..models.llama_checkpoint import hf_rope_fields
+    from ulysses_dtensor.models.llama_checkpoint import hf_rope_fields
 
     config = dict(config)
     holder = config

@@ -2,7 +2,7 @@
 its decoder layers.
 
 A family is accepted because the family matrix MEASURED it for the installed
-transformers version (:mod:`.family_results`: loss and every gradient equal to
+transformers version (:mod:`~ulysses_dtensor.integrations.hf.matrix.results`: loss and every gradient equal to
 transformers' own unsharded model, packed documents, sp 2 and, for windows,
 soft-caps, sinks, MLA and hybrid layers, sp 4 and dp_shard 2 x sp 2). A family
 the matrix refused is refused with the matrix's reason. A family it has not
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from .family_results import FamilyStatus, family_status
+from .matrix.results import FamilyStatus, family_status
 
 __all__ = ["check_known_family", "decoder_layers", "is_attention_module", "text_config_key"]
 
 
 def check_known_family(model: nn.Module, allow_untested: bool) -> FamilyStatus:
-    """The family's status (:class:`~.family_results.FamilyStatus`); ValueError naming the
+    """The family's status (:class:`~ulysses_dtensor.integrations.hf.matrix.results.FamilyStatus`); ValueError naming the
     class, the model type and the matrix's reason for a refused family (unless ``allow_untested``)."""
     status = family_status(model)
     if allow_untested:

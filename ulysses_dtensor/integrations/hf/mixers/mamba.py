@@ -13,7 +13,7 @@ Zamba2) and Jamba's Mamba mixers mix tokens per head (Mamba-2) or per channel
 3. the short causal convolution (this rank's rows of its weight) and the scan
    (this rank's ``A``, ``D``, ``dt`` bias) run over the whole sequence; with
    packed documents both restart at every document start
-   (:mod:`.gated_delta`, :mod:`.ssm_scan`), as if each document ran alone.
+   (:mod:`~ulysses_dtensor.mixers.gated_delta`, :mod:`~ulysses_dtensor.mixers.ssm_scan`), as if each document ran alone.
    Mamba's B, C and dt come from every channel (``x_proj``): each rank projects
    its channels and one all-reduce of ``(batch, seq, dt_rank + 2 state)`` sums
    them (autograd: the same all-reduce in backward);
@@ -34,13 +34,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..parallel.documents import segment_ids
-from ..parallel.mesh import divisors
-from ..parallel.ulysses import _heads_to_seq_local, _seq_to_heads_local
-from .gated_delta import causal_conv_documents
-from .hf_attention import CallState, call_document_ids
-from .mixer_style import UlyssesMixerStyle
-from .ssm_scan import selective_scan_documents, ssd_documents
+from ulysses_dtensor.mixers.gated_delta import causal_conv_documents
+from ulysses_dtensor.mixers.ssm_scan import selective_scan_documents, ssd_documents
+from ulysses_dtensor.parallel.documents import segment_ids
+from ulysses_dtensor.parallel.mesh import divisors
+from ulysses_dtensor.parallel.ulysses import _heads_to_seq_local, _seq_to_heads_local
+
+from ..attention_function import CallState, call_document_ids
+from .style import UlyssesMixerStyle
 
 __all__ = ["MAMBA2_MIXERS", "MAMBA_MIXERS", "UlyssesMamba", "UlyssesMamba2", "check_mamba", "check_mamba2"]
 

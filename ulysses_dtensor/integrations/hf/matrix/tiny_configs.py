@@ -1,7 +1,7 @@
 """Every model type transformers maps to a causal LM, as a tiny model: the family matrix's table.
 
 The matrix (``scripts/family_matrix.py``: every family; ``tests/test_family_matrix.py``
-re-measures a sample and checks the results) measures each decoder family by parity (:mod:`.family_check`); this module says
+re-measures a sample and checks the results) measures each decoder family by parity (:mod:`.check`); this module says
 WHAT it builds. A tiny config is the family's own config class with its sizes
 shrunk generically -- :func:`shrink_config` reads the class's ``__init__``
 keywords (hidden size, heads, experts, MLA ranks, linear / Mamba dims, ...), keeps

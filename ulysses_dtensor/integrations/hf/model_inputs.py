@@ -6,11 +6,12 @@ from typing import Mapping
 
 from torch import Tensor
 
-from ..parallel.batch import shard_batch
-from ..parallel.loss import IGNORE_INDEX
-from ..parallel.mesh import ring_degree
-from .hf_attention import DOCUMENT_IDS_KWARG
-from .hf_positions import slice_positions, text_positions
+from ulysses_dtensor.parallel.batch import shard_batch
+from ulysses_dtensor.parallel.loss import IGNORE_INDEX
+from ulysses_dtensor.parallel.mesh import ring_degree
+
+from .attention_function import DOCUMENT_IDS_KWARG
+from .positions import slice_positions, text_positions
 
 __all__ = ["SEQ_LEN_KWARG", "shard_hf_batch"]
 
@@ -32,7 +33,7 @@ def shard_hf_batch(
     ``batch``: ``input_ids`` (B, S); optional ``labels`` aligned with the inputs
     (token t's own id, or ``ignore_index``), ``position_ids`` restarting at 0
     per packed document -- (B, S), or multimodal rope ids (3, B, S) / (4, B, S)
-    (:mod:`.hf_positions`), sliced on the last dim -- and an ``attention_mask``
+    (:mod:`.positions`), sliced on the last dim -- and an ``attention_mask``
     that must be all ones (padding is done here, at the end, ignored by the loss).
     The padding repeats each row's last token (``pad_token_id=None``): a padding id
     whose embedding row is zero (transformers zero-inits ``padding_idx``) would feed

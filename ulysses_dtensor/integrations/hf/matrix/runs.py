@@ -1,5 +1,5 @@
-"""Running the family matrix on a group of ranks: every family of :mod:`.family_matrix`, measured by
-:mod:`.family_check`, as the entries of :mod:`.family_results`.
+"""Running the family matrix on a group of ranks: every family of :mod:`.tiny_configs`, measured by
+:mod:`.check`, as the entries of :mod:`.results`.
 
 Called by every rank of a process group (pooled test ranks: ``scripts/family_matrix.py``
 for every family, ``tests/test_family_matrix.py`` for its live sample). Each tiny model is built once per rank
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from . import family_check, family_matrix
-from .hf import parallelize_hf_model
+from ..parallelize_model import parallelize_hf_model
+from . import check as family_check
+from . import tiny_configs as family_matrix
 
 __all__ = ["CATEGORY_REASONS", "EXTRA_MESHES", "FIRST_MESH", "ROWS", "SEQ", "assemble", "family_reference", "mesh_name",
            "multimodal_status", "needs_extra_meshes", "references", "run_mesh", "structure", "text_family"]
@@ -41,7 +42,7 @@ def structure(model_type: str, sp: int = 2) -> dict:
     """What the matrix knows of a family before measuring it: category, classes, and either
     the reason it is refused (its override's, a config that does not build, or
     ``parallelize_hf_model``'s structural checks) or its features (MLA, MoE, mixers)."""
-    from .hf import _check_model
+    from ..parallelize_model import _check_model
 
     info = {"category": family_matrix.category(model_type), "config": family_matrix.config_class(model_type).__name__}
     override = family_matrix.OVERRIDES.get(model_type, family_matrix.Override())

@@ -13,7 +13,7 @@ The model's own code runs unchanged on this rank's slice of the sequence
 (embeddings, norms, q/k/v projections, rope with global position ids, q/k
 norms, MLP, head); only the attention core sees the whole sequence, for
 ``heads/sp`` heads, through transformers' attention registry (see
-:mod:`.hf_attention`). Per decoder layer the order is the one
+:mod:`.attention_function`). Per decoder layer the order is the one
 ``parallelize_llama`` uses and explains: Ulysses, activation checkpointing,
 compile, ``fully_shard``. Two differences keep parameter names those of the
 checkpoint (so ``state_dict()`` keys load and save as HF files): compile is
@@ -32,9 +32,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ..attention import check_backend
-from ..memory.offload import HostOffloader, OffloadedCheckpointBlock
-from ..models.llama_parallelize import (
+from ulysses_dtensor.attention import check_backend
+from ulysses_dtensor.memory.offload import HostOffloader, OffloadedCheckpointBlock
+from ulysses_dtensor.models.llama_parallelize import (
     AC_MODES,
     _check_compile_backend,
     _parse_selective_ac,
@@ -43,13 +43,12 @@ from ..models.llama_parallelize import (
     needs_rng_replay,
     shard_model,
 )
-from ..parallel.mesh import ParallelMesh
-from ..parallel.ring_layout import layout_position_ids
-from ..parallel.tensor_parallel import check_tp_heads, hf_tp_plan, tensor_parallelize
-from ..parallel.ulysses import UlyssesAttention, kv_replication
-from .family_check import verify_at_start
-from .family_results import FamilyStatus
-from .hf_attention import (
+from ulysses_dtensor.parallel.mesh import ParallelMesh
+from ulysses_dtensor.parallel.ring_layout import layout_position_ids
+from ulysses_dtensor.parallel.tensor_parallel import check_tp_heads, hf_tp_plan, tensor_parallelize
+from ulysses_dtensor.parallel.ulysses import UlyssesAttention, kv_replication
+
+from .attention_function import (
     ATTN_IMPLEMENTATION,
     DOCUMENT_IDS_KWARG,
     CallState,
@@ -58,27 +57,29 @@ from .hf_attention import (
     model_patterns,
     ulysses_attention_forward,
 )
-from .hf_families import (
+from .families import (
     check_known_family,
     decoder_layers,
     is_attention_module,
     text_config_key,
 )
-from .hf_memory import (
+from .matrix.check import verify_at_start
+from .matrix.results import FamilyStatus
+from .memory_switches import (
     lean_norms,
     per_token_blocks,
     per_token_width,
     tile_per_token_blocks,
 )
-from .hf_memory import norm_formula as _norm_formula
-from .hf_mixers import (
+from .memory_switches import norm_formula as _norm_formula
+from .mixers.layer_types import (
     PER_TOKEN_LAYER_TYPES,
     check_layer_types,
     has_token_mixers,
     token_mixer_modules,
 )
-from .hf_moe import install_router_aux_loss
-from .hf_batch import SEQ_LEN_KWARG, shard_hf_batch
+from .model_inputs import SEQ_LEN_KWARG, shard_hf_batch
+from .moe import install_router_aux_loss
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -151,14 +152,14 @@ def parallelize_hf_model(
             kernel that has them; a named one that has not is refused).
         tiled_mlp, mlp_tiles: compute each decoder layer's per-token block (its
             MLP, or its MoE block: router, experts, shared experts) over tiles of
-            the tokens, recomputed per tile in backward (:mod:`.hf_memory`).
+            the tokens, recomputed per tile in backward (:mod:`.memory_switches`).
         offload_activations: with ``ac_mode="full"``, keep each decoder layer's
             input in pinned host memory between forward and backward
             (``model.offloader`` reports the bytes; :mod:`~ulysses_dtensor.memory.offload`).
         offload_params: FSDP2 ``CPUOffloadPolicy`` (parameter shards, gradients
             and optimizer state in host memory; see ``parallelize_llama``).
         allow_untested: skip the family check. By default a family must pass the
-            family matrix for the installed transformers (:mod:`.family_results`; a family
+            family matrix for the installed transformers (:mod:`~ulysses_dtensor.integrations.hf.matrix.results`; a family
             it refused is refused with its reason), or, when the matrix has not measured
             it (a newer family, another transformers version), pass the same comparison at
             start on this mesh's ranks (:func:`~.family_check.verify_at_start`: a tiny model
@@ -174,7 +175,7 @@ def parallelize_hf_model(
     vision tower left as it is; calls with image or video inputs are refused.
     MoE models: ``output_router_logits=True`` returns as ``aux_loss`` this
     rank's share of the router loss of the whole global batch (see
-    :mod:`.hf_moe`), folded into ``loss`` where transformers adds it.
+    :mod:`.moe`), folded into ``loss`` where transformers adds it.
 
     Gradients are SUMMED over ranks: use :func:`~ulysses_dtensor.parallel.loss.sp_cross_entropy`
     (each rank's share of the global token mean). The model is then called with
@@ -385,7 +386,7 @@ def check_ring_model(model: nn.Module, attentions: list[nn.Module], linear: list
     """Refuse, naming the model and the reason, what ring attention (``ring > 1``) does not run:
     its blocks are merged from plain causal kernels (no window, soft-cap or sinks), and a
     recurrent layer would need its state passed around the ring."""
-    from ..parallel.ring import check_ring_backend, refused_pattern
+    from ulysses_dtensor.parallel.ring import check_ring_backend, refused_pattern
 
     name = type(model).__name__
     where = f"{name} with ring={ring}"

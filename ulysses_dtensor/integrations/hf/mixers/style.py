@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .hf_attention import CallState
+from ..attention_function import CallState
 
 
 class UlyssesMixerStyle(ParallelStyle):

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import FEATURES, check_backend, local_attention
-from ..attention.select import SUPPORTS
+from ulysses_dtensor.attention import FEATURES, check_backend, local_attention
+from ulysses_dtensor.attention.select import SUPPORTS
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -169,7 +169,7 @@ def _ring_core(q, k, v, mesh, document_ids, scale, window, softcap, sinks) -> Te
     head dim: MLA's narrower v is padded with zeros and the output cropped (the
     scores, hence the softmax, do not see v), a narrower q/k padded with zeros
     (scores unchanged; the scale is the model's own, passed explicitly)."""
-    from ..parallel.ring import refused_pattern, ring_attention
+    from ulysses_dtensor.parallel.ring import refused_pattern, ring_attention
 
     for name, value in (("window", window), ("softcap", softcap), ("sinks", sinks)):
         if value is not None:  # parallelize_hf_model refuses these models; a defence in depth

@@ -15,12 +15,13 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..parallel.mesh import divisors
-from ..parallel.ulysses import _heads_to_seq_local, _seq_to_heads_local
-from .gated_delta import causal_conv_documents
-from .hf_attention import CallState
-from .hf_mamba import _refuse_inputs, _segments
-from .mixer_style import UlyssesMixerStyle
+from ulysses_dtensor.mixers.gated_delta import causal_conv_documents
+from ulysses_dtensor.parallel.mesh import divisors
+from ulysses_dtensor.parallel.ulysses import _heads_to_seq_local, _seq_to_heads_local
+
+from ..attention_function import CallState
+from .mamba import _refuse_inputs, _segments
+from .style import UlyssesMixerStyle
 
 __all__ = ["SHORT_CONVS", "UlyssesShortConv", "check_short_conv"]
 

@@ -1,6 +1,6 @@
 """The family matrix's results for one transformers version, checked in, and what they say of a model.
 
-``family_results.json`` (next to this file) holds, for every model type
+``results.json`` (next to this file) holds, for every model type
 transformers maps to a causal LM, what the matrix measured (``scripts/family_matrix.py`` rewrites it;
 ``tests/test_family_matrix.py`` checks it against the installed code and re-measures a sample): its category,
 its status -- ``pass`` (loss and every gradient equal to transformers' own
@@ -25,7 +25,7 @@ from torch import nn
 
 __all__ = ["RESULTS_ENV", "RESULTS_PATH", "FamilyStatus", "family_status", "load_results", "refusal_reason", "summary"]
 
-RESULTS_PATH = Path(__file__).with_name("family_results.json")
+RESULTS_PATH = Path(__file__).with_name("results.json")
 # Environment variable naming another results file (a matrix measured elsewhere; tests).
 RESULTS_ENV = "ULYSSES_FAMILY_MATRIX_RESULTS"
 

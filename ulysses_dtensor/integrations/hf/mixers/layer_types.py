@@ -1,18 +1,18 @@
 """Token mixers besides attention that run under Ulysses, and the checks that refuse the others.
 
 A decoder layer mixes tokens through attention (transformers' registry: the
-exchange of :mod:`.hf_attention`) or through one of these mixers, each with an
+exchange of :mod:`~ulysses_dtensor.integrations.hf.attention_function`) or through one of these mixers, each with an
 exchange of its own around a per-head / per-channel recurrence or convolution
 that restarts at packed documents' starts:
 
 ============================  ==================================  =======================
 mixer                         classes                             module
 ============================  ==================================  =======================
-gated delta-net               Qwen3-Next, Qwen3.5 (dense / MoE)   :mod:`.hf_linear_attention`
-Mamba-2                       Bamba, Nemotron-H, Granite-4.0-H,   :mod:`.hf_mamba`
+gated delta-net               Qwen3-Next, Qwen3.5 (dense / MoE)   :mod:`.gated_delta_net`
+Mamba-2                       Bamba, Nemotron-H, Granite-4.0-H,   :mod:`.mamba`
                               Falcon-H1, Zamba2
-Mamba                         Jamba                               :mod:`.hf_mamba`
-short convolution             LFM2, LFM2-MoE, LFM3                :mod:`.hf_short_conv`
+Mamba                         Jamba                               :mod:`.mamba`
+short convolution             LFM2, LFM2-MoE, LFM3                :mod:`.short_conv`
 ============================  ==================================  =======================
 
 Everything else that mixes tokens outside the registry -- other recurrences,
@@ -28,9 +28,9 @@ from typing import Callable
 
 from torch import nn
 
-from .hf_linear_attention import GATED_DELTA_NETS, LINEAR_LAYER_TYPE, UlyssesGatedDeltaNet, check_gated_delta_heads
-from .hf_mamba import MAMBA2_MIXERS, MAMBA_MIXERS, UlyssesMamba, UlyssesMamba2, check_mamba, check_mamba2
-from .hf_short_conv import SHORT_CONVS, UlyssesShortConv, check_short_conv
+from .gated_delta_net import GATED_DELTA_NETS, LINEAR_LAYER_TYPE, UlyssesGatedDeltaNet, check_gated_delta_heads
+from .mamba import MAMBA2_MIXERS, MAMBA_MIXERS, UlyssesMamba, UlyssesMamba2, check_mamba, check_mamba2
+from .short_conv import SHORT_CONVS, UlyssesShortConv, check_short_conv
 
 __all__ = ["MIXERS", "TokenMixer", "check_layer_types", "has_token_mixers", "mixer_of", "token_mixer_modules"]
 

@@ -142,7 +142,7 @@ def _conversion_plan(model, targets: dict[str, Tensor], file_keys: list[str], co
 def _load_converted(model, files: _Files, pending: dict[str, Tensor], file_keys: list[str], conversions,
                     path) -> list[str]:
     """Fill ``pending`` (converted targets) in place; return the file keys they did not use."""
-    from ..models.llama_checkpoint import HFCheckpointError
+    from ulysses_dtensor.models.llama_checkpoint import HFCheckpointError
 
     plan, unused = _conversion_plan(model, pending, file_keys, conversions)
     done = set()
@@ -171,7 +171,7 @@ def load_transformers_weights(model: nn.Module, path: str | os.PathLike, *, conv
     """Fill ``model``'s parameters and persistent buffers (DTensor shards included)
     from the safetensors files of ``path`` in place, converting layouts as
     ``from_pretrained`` would; then recompute the non-persistent buffers. LoRA
-    adapters (:mod:`.lora`) are left as they are, their base layers filled.
+    adapters (:mod:`~ulysses_dtensor.integrations.lora`) are left as they are, their base layers filled.
 
     ``conversions``: :func:`weight_conversions` of the plain model (default: from
     ``model``). Every rank of the default process group calls it. Names and
@@ -181,14 +181,15 @@ def load_transformers_weights(model: nn.Module, path: str | os.PathLike, *, conv
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from ..models.llama_checkpoint import (
+    from ulysses_dtensor.models.llama_checkpoint import (
         HFCheckpointError,
         checkpoint_tensor_shapes,
         quiet_single_process,
         require_safetensors,
         safetensors_files,
     )
-    from .lora import base_name, is_adapter_param
+
+    from ..lora import base_name, is_adapter_param
 
     require_safetensors()
     path = Path(path)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..parallel.ring_layout import layout_indices
+from ulysses_dtensor.parallel.ring_layout import layout_indices
 
 __all__ = ["slice_positions", "text_positions"]
 

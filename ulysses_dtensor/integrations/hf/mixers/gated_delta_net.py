@@ -18,7 +18,7 @@ way. Per layer, in :func:`_ulysses_forward`:
    (``A_log``, ``dt_bias`` for this rank's heads) and the recurrence run over
    the whole sequence; with packed documents (the model's
    :data:`~.hf_attention.DOCUMENT_IDS_KWARG`) both restart at every document
-   start (:mod:`.gated_delta`), as if each document ran alone;
+   start (:mod:`~ulysses_dtensor.mixers.gated_delta`), as if each document ran alone;
 4. one all-to-all brings the per-head output back to Shard(seq), where the
    gated RMSNorm (with the local ``z``) and the out projection run.
 
@@ -27,10 +27,10 @@ documents the convolution and recurrence are transformers' own functions from
 the model's module, so where transformers picks the causal-conv1d /
 flash-linear-attention kernels (CUDA, packages installed) they run here too
 (untested here: no such packages in CI); packed documents always run the torch
-versions of :mod:`.gated_delta`.
+versions of :mod:`~ulysses_dtensor.mixers.gated_delta`.
 
 The other token mixers that run, and the checks that refuse the rest, are in
-:mod:`.hf_mixers`.
+:mod:`.layer_types`.
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..parallel.documents import segment_ids
-from ..parallel.mesh import divisors
-from ..parallel.ulysses import _all_to_all, _heads_to_seq_local
-from .gated_delta import causal_conv_documents, chunk_gated_delta_rule_documents
-from .hf_attention import CallState, call_document_ids
-from .mixer_style import UlyssesMixerStyle
+from ulysses_dtensor.mixers.gated_delta import causal_conv_documents, chunk_gated_delta_rule_documents
+from ulysses_dtensor.parallel.documents import segment_ids
+from ulysses_dtensor.parallel.mesh import divisors
+from ulysses_dtensor.parallel.ulysses import _all_to_all, _heads_to_seq_local
+
+from ..attention_function import CallState, call_document_ids
+from .style import UlyssesMixerStyle
 
 __all__ = ["GATED_DELTA_NETS", "LINEAR_LAYER_TYPE", "UlyssesGatedDeltaNet", "check_gated_delta_heads"]
 

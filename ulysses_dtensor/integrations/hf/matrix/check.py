@@ -1,7 +1,7 @@
 """Does a transformers family run under Ulysses as it runs alone? Measured on a tiny model.
 
 One comparison, used by the family matrix (every family, in CI) and by the check
-at start for a family the matrix has not measured (:mod:`.hf_families`): a tiny
+at start for a family the matrix has not measured (:mod:`~ulysses_dtensor.integrations.hf.families`): a tiny
 model is built twice from one seed; transformers' own copy, unsharded, runs a
 packed batch one document at a time (so nothing can cross a document, whatever
 its own masking does); the other copy goes through
@@ -30,8 +30,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..parallel.comm_stats import CollectiveCounter
-from ..parallel.loss import (
+from ulysses_dtensor.parallel.comm_stats import CollectiveCounter
+from ulysses_dtensor.parallel.loss import (
     IGNORE_INDEX,
     count_valid_tokens,
     global_loss,
@@ -155,8 +155,8 @@ def run_sharded(model: nn.Module, pmesh, batch: dict, router: bool, ref_grads: d
     same slice of the reference and one all-reduce sums them: no gradient is gathered."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from .hf_attention import recording_patterns
-    from .hf_batch import shard_hf_batch
+    from ..attention_function import recording_patterns
+    from ..model_inputs import shard_hf_batch
 
     parallelize(model, pmesh, **options)
     rows = batch["input_ids"].shape[0] // pmesh.dims.dp
@@ -243,13 +243,13 @@ def verify_at_start(model: nn.Module, pmesh, model_type: str, why: str, *, paral
     """The check at start of a family the matrix has not measured: a tiny model of ``model``'s
     own (text) config class, shrunk from ``model``'s config, measured as in the matrix on
     ``pmesh``'s own ranks and device, through ``parallelize`` (the caller itself).
-    Returns the :class:`~.family_results.FamilyStatus`
+    Returns the :class:`~ulysses_dtensor.integrations.hf.matrix.results.FamilyStatus`
     (``verified at start``); raises ValueError with the measured difference, or when no tiny
     model of the class can be built."""
     from transformers import AutoModelForCausalLM
 
-    from .family_matrix import OVERRIDES, shrink_config, tiny_model
-    from .family_results import FamilyStatus
+    from .results import FamilyStatus
+    from .tiny_configs import OVERRIDES, shrink_config, tiny_model
 
     name = type(model).__name__
     if _fake_group(pmesh):  # memory planning on fake ranks: nothing to measure

@@ -20,7 +20,7 @@ parameter names stay the checkpoint's. transformers' own forward stays
   this rank's slice, GLOBAL position ids and the whole sequence's document ids
   (:data:`~.hf_attention.DOCUMENT_IDS_KWARG`).
 * The head is ``lm_head`` with the logit transforms its class applies, proven
-  on the class (:mod:`.hf_output_head`). With labels, ``lm_head``'s own forward
+  on the class (:mod:`.output_head`). With labels, ``lm_head``'s own forward
   returns this rank's share of the global token mean (``sp_cross_entropy``:
   local sum / ``num_valid_tokens``), in one piece or over sequence chunks.
 * A call is a module call of the root and of ``lm_head``, as our Llama's: FSDP's
@@ -28,7 +28,7 @@ parameter names stay the checkpoint's. transformers' own forward stays
   integration's input checks run first. ``hidden_states`` is registered as a
   forward method of the root, as our Llama's is.
 * The rope: ``set_rope`` recomputes the rotary module's frequencies with
-  transformers' own functions (:mod:`.hf_rope`); ``dynamic`` / ``longrope``
+  transformers' own functions (:mod:`.rotary`); ``dynamic`` / ``longrope``
   take ``rope_seq_len`` (the trainer pins it to the step's global batch) or
   ``1 + max(position_ids)`` over every sp rank, never one rank's slice.
 * MoE models with ``output_router_logits=True``: with labels, the loss share
@@ -50,11 +50,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..parallel.ring_layout import layout_position_ids
-from .hf_attention import DOCUMENT_IDS_KWARG
-from .hf_moe import router_aux_loss_share
-from .hf_output_head import OutputHead, SPOutputHead, _is_fake, check_output_head
-from .hf_rope import rope_inv_freq, rope_support, set_rotary
+from ulysses_dtensor.parallel.ring_layout import layout_position_ids
+
+from .attention_function import DOCUMENT_IDS_KWARG
+from .moe import router_aux_loss_share
+from .output_head import OutputHead, SPOutputHead, _is_fake, check_output_head
+from .rotary import rope_inv_freq, rope_support, set_rotary
 
 __all__ = [
     "CausalLMShape",
@@ -96,7 +97,7 @@ def vision_modules(model: nn.Module) -> list[nn.Module]:
     """The top-level modules of a multimodal model outside its text decoder and head
     (Qwen2.5-VL: ``model.visual``); empty for a text-only model. A text-only run never
     calls them."""
-    from .hf_families import text_config_key
+    from .families import text_config_key
 
     if text_config_key(model) is None:
         return []
@@ -287,7 +288,7 @@ class SPCausalLM:
         """Use ``rope`` (a :class:`~ulysses_dtensor.models.rope.RopeConfig`) from the next
         forward on, weights untouched; ValueError naming the family for one whose rope
         cannot be changed (``rope_support``'s reason)."""
-        from ..models.rope import RopeConfig
+        from ulysses_dtensor.models.rope import RopeConfig
 
         if not isinstance(rope, RopeConfig):
             raise TypeError(f"set_rope takes a RopeConfig, got {type(rope).__name__}")

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-from .hf_weights import load_transformers_weights, unique_state_dict
+from .weights import load_transformers_weights, unique_state_dict
 
 __all__ = ["load_hf_weights", "save_hf_weights", "reset_rotary_buffers"]
 
@@ -48,7 +48,7 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> None:
     what is missing, extra or of the wrong shape); values are converted to the
     model's dtype. Layouts transformers converts on load (MoE experts stored one
     by one) are converted the same way; buffers no checkpoint holds (rotary
-    ``inv_freq``, ...) are recomputed afterwards. See :mod:`.hf_weights`.
+    ``inv_freq``, ...) are recomputed afterwards. See :mod:`.weights`.
     """
     load_transformers_weights(model, path)
 

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..memory.tiling import _tiles, auto_num_tiles
-from ..models.norm import rms_norm
-from ..parallel.tensor_parallel import sum_grad_over
+from ulysses_dtensor.memory.tiling import _tiles, auto_num_tiles
+from ulysses_dtensor.models.norm import rms_norm
+from ulysses_dtensor.parallel.tensor_parallel import sum_grad_over
 
 __all__ = ["PER_TOKEN_BLOCK_NAMES", "LeanRMSNorm", "TiledPerToken", "lean_norms", "norm_formula", "per_token_block", "per_token_blocks", "per_token_width",
            "tile_per_token_blocks"]
@@ -40,7 +40,7 @@ PER_TOKEN_BLOCK_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "ffn")
 def per_token_width(text_config) -> int:
     """Intermediate width per token of a layer's per-token block, for the automatic
     tile count: the MLP's width, or for an MoE block each chosen expert's."""
-    from .hf_causal_lm import causal_lm_shape
+    from .causal_lm import causal_lm_shape
 
     shape = causal_lm_shape(text_config)
     return shape.ffn_dim * max(1, shape.experts_per_token)
