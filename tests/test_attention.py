@@ -291,7 +291,9 @@ def test_flash_attn_missing_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     with pytest.raises(ImportError, match=r"pip install 'ulysses-dtensor\[flash\]'"):
         A._import_flash_attn()
-    # Without flash-attn, CUDA in 16-bit falls to torch's varlen (this torch has it) ...
+    # Without flash-attn, CUDA in 16-bit on a GPU the table does not give to cuDNN (here: no
+    # CUDA, a GPU of unknown capability; tests/test_kernel_table.py has every GPU's rows) falls
+    # to torch's varlen (this torch has it) ...
     assert default_backend("cuda") == "varlen"
     assert default_backend(torch.device("cuda", 0), torch.bfloat16) == "varlen"
     # ... and to sdpa when neither FlashAttention entry point exists.
@@ -354,7 +356,7 @@ def test_module_import_does_not_import_flash_attn():
 def test_constant_marker_is_what_torch_compiler_sets():
     # select.py marks its backend lookup constant to torch.compile without importing
     # torch._dynamo; torch's own decorator must mark a function the same way.
-    from ulysses_dtensor.attention.select import _constant_to_compile, _machine_refusal, _resolved_auto
+    from ulysses_dtensor.attention.select import _constant_to_compile, _machine_refusal, _named_refusal, _resolved_auto
 
     def theirs():
         return 0
@@ -366,6 +368,7 @@ def test_constant_marker_is_what_torch_compiler_sets():
     _constant_to_compile(ours)
     assert theirs.__dict__ == ours.__dict__ == {"_dynamo_marked_constant": True}
     assert _resolved_auto._dynamo_marked_constant and _machine_refusal._dynamo_marked_constant
+    assert _named_refusal._dynamo_marked_constant
 
 
 def test_varlen_signature_probe_is_a_compile_time_constant():

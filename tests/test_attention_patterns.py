@@ -124,7 +124,7 @@ def test_auto_picks_a_backend_that_expresses_the_pattern():
     from ulysses_dtensor.attention.select import resolve_backend
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    plain = default_backend(cuda, torch.bfloat16)  # flash_attn or varlen, never flex
+    plain = default_backend(cuda, torch.bfloat16)  # no CUDA here: a GPU of unknown capability, FlashAttention
     assert resolve_backend("auto", frozenset(), cuda, torch.bfloat16) == plain
     assert resolve_backend("auto", frozenset({"window"}), cuda, torch.bfloat16) == plain
     assert resolve_backend("auto", frozenset({"sinks"}), cuda, torch.bfloat16) == "flex"

@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_attention import make_qkv, reference_attention
+from test_attention import (  # noqa: F401 - cuda_checks_off is a fixture
+    DOC_LENGTHS,
+    cuda_checks_off,
+    docs_from_lengths,
+    grads_vs_reference,
+    make_qkv,
+    reference_attention,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ulysses_dtensor.attention import Capabilities, Case, auto_choice, describe_choice, local_attention
@@ -396,3 +403,27 @@ def test_the_docs_table_lists_every_row_with_its_kernel():
     for r in T.ROWS:
         cells = [c.strip() for c in lines[f"`{r.name}`"].split("|")]
         assert cells[3] == f"`{r.backend}`", (r.name, cells)
+
+
+def test_fa4_switches_torch_to_flashattention_4_once_and_runs_the_varlen_path(monkeypatch, cuda_checks_off):
+    # torch's FA4 route is process-wide: activated once (at trace time under compile), then varlen's
+    # calls run it. Here torch's varlen kernel is cuda_checks_off's fake, which keeps the window contract.
+    import torch.nn.attention as nn_attention
+
+    active, switched = [None], []
+
+    def activate(impl):
+        switched.append(impl)
+        active[0] = impl
+
+    monkeypatch.setattr(nn_attention, "activate_flash_attention_impl", activate)
+    monkeypatch.setattr(nn_attention, "current_flash_attention_impl", lambda: active[0])
+    monkeypatch.setattr(S, "_machine_refusal", S._constant_to_compile(lambda *args: ""))
+    docs = docs_from_lengths(DOC_LENGTHS)
+    for window in (None, 6):
+        q, k, v = make_qkv(2, 32, 8, 2, 16, seed=5)
+        out = local_attention(q, k, v, backend="fa4", document_ids=docs, window=window)
+        ref = reference_attention(q, k, v, True, docs, window=window)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        grads_vs_reference(q, k, v, out, ref, atol=1e-5, rtol=1e-5)
+    assert switched == ["FA4"]

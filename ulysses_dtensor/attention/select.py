@@ -178,6 +178,17 @@ def _resolved_auto(device: torch.device, dtype: torch.dtype, window: bool, softc
 
 
 @_constant_to_compile
+def _named_refusal(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                   v_head_dim: int | None) -> str:
+    # kernel_refusal, then the machine's: "" when ``backend`` runs. A constant to
+    # torch.compile (decided at trace time: the tables build dataclasses).
+    why = kernel_refusal(backend, device.type, dtype, head_dim, v_head_dim)
+    if not why and backend in ("cudnn", "fa4"):
+        why = _machine_refusal(backend, device, dtype, head_dim, head_dim if v_head_dim is None else v_head_dim)
+    return why or ""
+
+
+@_constant_to_compile
 def _machine_refusal(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, v_head_dim: int) -> str:
     # "" when ``backend`` runs here (a str: torch.compile keeps it as a constant).
     case = Case(dtype, head_dim, v_head_dim)
@@ -210,9 +221,7 @@ def resolve_backend(
             f"attention backend {backend!r} cannot apply {FEATURES[missing[0]]} ({missing[0]}=...): its "
             f"kernel has no such option; backends that can: {', '.join(able)}"
         )
-    why = kernel_refusal(backend, device.type, dtype, head_dim, v_head_dim)
-    if not why and backend in ("cudnn", "fa4"):
-        why = _machine_refusal(backend, device, dtype, head_dim, head_dim if v_head_dim is None else v_head_dim)
+    why = _named_refusal(backend, device, dtype, head_dim, v_head_dim)
     if why:
         raise ValueError(f"attention backend {backend!r} {why}")
     return backend
