@@ -21,9 +21,15 @@ from test_attention import (  # noqa: F401 - cuda_checks_off is a fixture
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ulysses_dtensor.attention import Capabilities, Case, auto_choice, describe_choice, local_attention
+from ulysses_dtensor.attention import (
+    Capabilities,
+    Case,
+    auto_choice,
+    dense,
+    describe_choice,
+    local_attention,
+)
 from ulysses_dtensor.attention import capabilities as C
-from ulysses_dtensor.attention import dense
 from ulysses_dtensor.attention import kernel_table as T
 from ulysses_dtensor.attention import select as S
 
@@ -187,8 +193,7 @@ def test_probe_without_cuda_reads_a_gpu_of_unknown_capability():
     "backend,device,dtype,d,dv,match",
     [
         ("cudnn", "cpu", BF16, 64, None, r"'cudnn' runs on CUDA only; got tensors on device 'cpu'"),
-        ("cudnn", "cuda", FP32, 64, None, r"'cudnn' needs float16 or bfloat16 inputs \(cuDNN attention\); got "
-                                          r"torch.float32"),
+        ("cudnn", "cuda", FP32, 64, None, r"'cudnn' needs float16 or bfloat16 inputs \(cuDNN attention\); got torch.float32"),
         ("cudnn", "cuda", BF16, 256, None, r"'cudnn' takes head dims up to 128 .*got q/k 256, v 256"),
         ("cudnn", "cuda", BF16, 192, 64, r"'cudnn' takes head dims up to 128 .*got q/k 192, v 64"),
         ("fa4", "cpu", BF16, 64, None, r"'fa4' runs on CUDA only"),
@@ -405,7 +410,7 @@ def test_the_docs_table_lists_every_row_with_its_kernel():
         assert cells[3] == f"`{r.backend}`", (r.name, cells)
 
 
-def test_fa4_switches_torch_to_flashattention_4_once_and_runs_the_varlen_path(monkeypatch, cuda_checks_off):
+def test_fa4_switches_torch_to_flashattention_4_once_and_runs_the_varlen_path(monkeypatch, cuda_checks_off):  # noqa: F811
     # torch's FA4 route is process-wide: activated once (at trace time under compile), then varlen's
     # calls run it. Here torch's varlen kernel is cuda_checks_off's fake, which keeps the window contract.
     import torch.nn.attention as nn_attention

@@ -130,7 +130,7 @@ class Capabilities:
         cuda: str = "13.0",
         cudnn: str | None = None,
         packages: tuple[str, ...] = (),
-    ) -> "Capabilities":
+    ) -> Capabilities:
         """A machine we are not on: ``gpu`` a name (``"H100"``, ``"B200"``, ``"A100"``, ...)
         or ``"sm90"``; ``packages`` of ``"flash_attn"``, ``"fa4"``.
 
@@ -159,13 +159,13 @@ class Capabilities:
 
     @staticmethod
     @functools.cache
-    def probe(device: torch.device | str) -> "Capabilities":
+    def probe(device: torch.device | str) -> Capabilities:
         """:meth:`read`, once per device for the process: set torch's SDPA switches,
         determinism and the environment before the first attention call."""
         return Capabilities.read(device)
 
     @classmethod
-    def read(cls, device: torch.device | str) -> "Capabilities":
+    def read(cls, device: torch.device | str) -> Capabilities:
         """This process's ``device``, read now. A CUDA device on a machine without
         CUDA (a plan or a test on CPU) reads as a GPU of unknown capability."""
         device = torch.device(device)
@@ -193,7 +193,7 @@ class Capabilities:
             cudnn_sdp_enabled=torch.backends.cuda.cudnn_sdp_enabled(),
         )
 
-    def with_(self, **changes) -> "Capabilities":
+    def with_(self, **changes) -> Capabilities:
         """A copy with ``changes`` (a test's or a plan's what-if)."""
         return replace(self, **changes)
 
@@ -204,7 +204,7 @@ def _parse_gpu(gpu: str) -> tuple[int, int]:
     if m:
         return int(m.group(1)), int(m.group(2))
     for name, sm in sorted(GPU_SM.items(), key=lambda kv: -len(kv[0])):
-        if key.startswith(name) or key.startswith("nvidia" + name):
+        if key.startswith((name, "nvidia" + name)):
             return sm
     raise ValueError(f"unknown GPU {gpu!r}; give one of {', '.join(sorted(GPU_SM))} or 'smXY'")
 

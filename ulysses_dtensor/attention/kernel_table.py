@@ -27,8 +27,8 @@ boolean mask; ``dense_scores`` (B, H, S, S) float32 scores.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

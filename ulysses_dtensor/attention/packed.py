@@ -26,9 +26,9 @@ from ..parallel.documents import (
     cu_seqlens,
     cu_seqlens_from_document_ids,
 )
+from .capabilities import varlen_keywords
 from .dense import _repeat_kv
 from .pattern import Pattern
-from .capabilities import varlen_keywords
 from .select import FLASH_HEAD_DIM_MULTIPLE, _constant_to_compile, _import_flash_attn
 
 __all__ = ["fa4_backend", "flash_attn_backend", "varlen_backend"]
@@ -122,7 +122,10 @@ def _fa4_active() -> bool:
     / ``_backward`` (what ``varlen`` runs) and of SDPA's flash backend for the whole
     process: after a ``fa4`` call, ``varlen``, SDPA's flash kernel and the ring's
     flash pairs run FlashAttention-4 too."""
-    from torch.nn.attention import activate_flash_attention_impl, current_flash_attention_impl
+    from torch.nn.attention import (
+        activate_flash_attention_impl,
+        current_flash_attention_impl,
+    )
 
     if current_flash_attention_impl() != "FA4":
         activate_flash_attention_impl("FA4")

@@ -18,7 +18,13 @@ import torch
 
 from ..runtime.suggest import unknown_name
 from .capabilities import Capabilities, has_varlen
-from .kernel_table import Case, auto_choice, cudnn_refusal, cudnn_tensor_refusal, fa4_refusal
+from .kernel_table import (
+    Case,
+    auto_choice,
+    cudnn_refusal,
+    cudnn_tensor_refusal,
+    fa4_refusal,
+)
 
 __all__ = [
     "BACKENDS",
