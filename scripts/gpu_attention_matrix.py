@@ -15,13 +15,14 @@ rows: ``ring_attention`` over 2 ranks on one device (gloo carries the blocks),
 random packed documents, causal, GQA, the gradient of ``out.sum()`` too (an
 expanded, stride-0 upstream gradient); rank 0 prints.
 
-Each row: ``backend`` (asked), ``ran`` (what ``auto`` resolved to; the ring's
-kernels), ``pattern``, ``head_dim``, ``v_head_dim``, ``dtype``, ``status``
+Each row: ``backend`` (asked: every name, ``cudnn`` and ``fa4`` included), ``ran``
+(what ``auto`` resolved to by the kernel table; the ring's kernels, ``cudnn`` for
+its plain pairs where the table gives plain causal attention to cuDNN), ``pattern``, ``head_dim``, ``v_head_dim``, ``dtype``, ``status``
 (``passed``; ``refused`` with the ``reason`` a named backend gave before
 running; ``unavailable`` when its package is not installed; ``failed`` with the ``error`` or the errors over tolerance),
 ``out_err`` / ``grad_err`` (max abs error vs the reference over its max abs
 value; the worst of q, k, v, sinks), ``seconds``, and the
-``device`` and ``torch`` that ran it. Rows are flushed as they finish, so a
+``device``, ``torch`` and ``cudnn`` that ran it. Rows are flushed as they finish, so a
 run cut short still records what ran; the exit status is 1 when a row failed.
 ``scripts/gpu_check.sh`` runs both.
 """
@@ -42,6 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ulysses_dtensor.attention import BACKENDS, local_attention  # noqa: E402
+from ulysses_dtensor.attention.capabilities import fa4_installed  # noqa: E402
 from ulysses_dtensor.attention.pattern import check_pattern  # noqa: E402
 from ulysses_dtensor.attention.select import resolve_backend  # noqa: E402
 
@@ -126,8 +128,10 @@ def local_row(backend, pattern, head_dim, dtype, device, seq) -> dict:
     row = {"what": "local", "backend": backend, "pattern": pattern, "head_dim": d, "v_head_dim": dv,
            "dtype": str(dtype).removeprefix("torch.")}
     features = check_pattern(True, opts.get("window"), opts.get("softcap"), opts.get("sinks"), 8).features()
+    if backend == "fa4" and not fa4_installed():
+        return {**row, "status": "unavailable", "reason": "the flash-attn-4 package is not installed"}
     try:
-        row["ran"] = resolve_backend(backend, features, torch.device(device), dtype, max(d, dv))
+        row["ran"] = resolve_backend(backend, features, torch.device(device), dtype, d, v_head_dim=dv, documents=True)
     except ValueError as e:
         return {**row, "status": "refused", "reason": str(e)}
     if row["ran"] == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
@@ -233,7 +237,7 @@ def _ring_rank(rank, store, a):
 
 def _env(device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"device": name, "torch": torch.__version__}
+    return {"device": name, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
 
 
 def run_ring(a) -> bool:

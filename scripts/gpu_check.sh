@@ -23,12 +23,12 @@ bench_8b="--mode simulate --device cuda --flavor llama3_8b --world 8 --sp 8 --ac
 # name|command (OUT is the output folder). Commands mirror benchmarks/RESULTS.md.
 PIECES=(
   "tests|$py -m pytest -m gpu -v --durations=15 -p no:cacheprovider -rs --continue-on-collection-errors \${GPU_TESTS_ARGS:-} --junitxml=\$OUT/gpu_tests.xml tests"
-  "matrix|$py scripts/gpu_attention_matrix.py local --backends sdpa varlen flash_attn auto"
+  "matrix|$py scripts/gpu_attention_matrix.py local --backends sdpa varlen flash_attn cudnn fa4 auto"
   "matrix_flex|$py scripts/gpu_attention_matrix.py local --backends flex --dtypes bfloat16"
   "matrix_flex_fp32|$py scripts/gpu_attention_matrix.py local --backends flex --dtypes float32"
   "ring_documents|$py scripts/gpu_attention_matrix.py ring"
   "smoke|$py benchmarks/bench_train.py --quick --mode simulate --device cuda && $py benchmarks/bench_train.py --quick --mode real --sp 1 --device cuda"
-  "attn|for b in sdpa flex varlen flash_attn auto; do $py benchmarks/bench_attention.py --device cuda --sp 1 --seq 8192 32768 131072 --heads 32 --kv-heads 8 --head-dim 128 --backend \$b --deepspeed off --warmup 2 --iters 5; done"
+  "attn|for b in sdpa cudnn flex varlen flash_attn fa4 auto; do $py benchmarks/bench_attention.py --device cuda --sp 1 --seq 8192 32768 131072 --heads 32 --kv-heads 8 --head-dim 128 --backend \$b --deepspeed off --warmup 2 --iters 5; done"
   "train_8b_32k_eager|$py benchmarks/bench_train.py $bench_8b --local-seq 32K --warmup 1 --iters 3"
   "train_8b_32k_compile|$py benchmarks/bench_train.py $bench_8b --local-seq 32K --compile --warmup 2 --iters 3"
   "train_8b_128k_eager|$py benchmarks/bench_train.py $bench_8b --local-seq 128K --layers 2 4 --extrapolate-layers 32 --warmup 1 --iters 2"

@@ -7,10 +7,18 @@ reach those calls:
 * :class:`CheckedAten`: the aten ops the ring calls, which first assert the
   preconditions torch's CUDA kernels enforce (16-bit FlashAttention, head dims
   a multiple of 8 up to 256, last dims contiguous -- dout included --, the
-  memory-efficient kernel's equal head counts and 16-aligned bias rows), then
+  memory-efficient kernel's equal head counts and 16-aligned bias rows; cuDNN's
+  16-bit, head dims a multiple of 8 up to 128, dout laid out as out, its
+  (B, H, Sq, 1) float32 log-sum-exp given back to its backward), then
   run the real op: its meta kernel on meta tensors (shapes), or with
   ``numeric=True`` SDPA's CPU flash kernel (values, in any float dtype:
   padding, cropping and layouts checked exactly).
+* :data:`CUDNN_SCHEMAS`: the cuDNN attention ops' schemas the ring is written
+  against (the installed torch 2.13's, pinned by a test). Torch 2.11's are taken
+  to be the same -- the arguments have not changed since the op gained
+  ``attn_bias`` (torch 2.5), and torch's own ring (``_context_parallel``) calls
+  them so -- which a GPU run with torch 2.11 confirms (the ring rows of
+  ``scripts/gpu_attention_matrix.py``).
 * :data:`T211`: the ``torch_attn`` varlen ops with torch 2.11.0's schemas
   (``torch/nn/attention/varlen.py`` of 2.11: ten forward arguments, ending
   at ``window_size``; the installed torch may have more), registered under
@@ -33,6 +41,15 @@ def _check_flash(*tensors, half: bool = True) -> None:
         assert t.shape[-1] == d, "FlashAttention takes one head dim for q, k, v (and dout, out)"
         assert not half or t.dtype in FLASH_DTYPES, f"FlashAttention takes fp16/bf16 only, got {t.dtype}"
     assert d % 8 == 0 and d <= 256, f"FlashAttention needs a head dim that is a multiple of 8, <= 256; got {d}"
+
+
+def _check_cudnn(q, k, v, half: bool = True) -> None:
+    for t in (q, k, v):
+        assert t.stride(-1) == 1, f"cuDNN attention needs a contiguous last dim, got stride {t.stride()}"
+        assert not half or t.dtype in FLASH_DTYPES, f"cuDNN attention takes fp16/bf16 only, got {t.dtype}"
+    for d in (q.shape[-1], v.shape[-1]):
+        assert d % 8 == 0 and d <= 128, f"cuDNN attention needs head dims that are multiples of 8, <= 128; got {d}"
+    _check_gqa(q.shape[1], k.shape[1])
 
 
 def _check_gqa(q_heads: int, kv_heads: int) -> None:
@@ -83,6 +100,31 @@ class CheckedAten:
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, p, causal,
                                                                            scale=scale)
 
+    def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, lse, p, causal, debug, *, scale=None):
+        self.calls.append("cudnn")
+        _check_cudnn(q, k, v, half=self.half)
+        assert bias is None and lse and p == 0.0 and not debug, (bias, lse, p, debug)
+        if not self.numeric:
+            return _aten._scaled_dot_product_cudnn_attention(q, k, v, bias, lse, p, causal, debug, scale=scale)
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, p, causal, scale=scale)
+        seed = torch.zeros((), dtype=torch.long)
+        return out, lse[..., None], None, None, q.shape[2], k.shape[2], seed, seed, None
+
+    def _scaled_dot_product_cudnn_attention_backward(self, dout, q, k, v, out, lse, seed, offset, bias, cq, ck,
+                                                     mq, mk, p, causal, *, scale=None):
+        self.calls.append("cudnn_backward")
+        _check_cudnn(q, k, v, half=self.half)
+        _check_cudnn(q, dout, out, half=self.half)
+        assert dout.stride() == out.stride(), f"cuDNN reads dout with out's strides: {dout.stride()} {out.stride()}"
+        assert lse.dtype == torch.float32 or self.numeric, lse.dtype
+        assert tuple(lse.shape) == (*q.shape[:3], 1), f"cuDNN's log-sum-exp is (B, H, Sq, 1), got {lse.shape}"
+        assert (mq, mk) == (q.shape[2], k.shape[2]) and cq is None and ck is None and bias is None
+        if not self.numeric:
+            return _aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, out, lse, seed, offset, bias, cq, ck, mq, mk, p, causal, scale=scale)
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse[..., 0], p,
+                                                                           causal, scale=scale)
+
     def _scaled_dot_product_efficient_attention(self, q, k, v, bias, lse, p, causal, *, scale=None):
         self.calls.append("efficient")
         _check_efficient(q, k, v, bias)
@@ -94,6 +136,22 @@ class CheckedAten:
         _check_efficient(q, k, v, bias, dout, out)
         return _aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, bias, out, lse, seed, offset, p, mask, causal, scale=scale)
+
+
+CUDNN_SCHEMAS = {
+    "_scaled_dot_product_cudnn_attention": (
+        "aten::_scaled_dot_product_cudnn_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_bias, "
+        "bool compute_log_sumexp, float dropout_p=0., bool is_causal=False, bool return_debug_mask=False, *, "
+        "float? scale=None) -> (Tensor output, Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, "
+        "SymInt max_k, Tensor philox_seed, Tensor philox_offset, Tensor debug_attn_mask)"
+    ),
+    "_scaled_dot_product_cudnn_attention_backward": (
+        "aten::_scaled_dot_product_cudnn_attention_backward(Tensor grad_out, Tensor query, Tensor key, "
+        "Tensor value, Tensor out, Tensor logsumexp, Tensor philox_seed, Tensor philox_offset, Tensor attn_bias, "
+        "Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, *, "
+        "float? scale=None) -> (Tensor, Tensor, Tensor)"
+    ),
+}
 
 
 # --------------------------------------------------------------------------- #

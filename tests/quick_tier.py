@@ -27,6 +27,7 @@ WHOLE_FILES = {
     "test_gpu_check.py",
     "test_hf_causal_lm.py",
     "test_hf_rope.py",
+    "test_kernel_table.py",
     "test_layout.py",
     "test_quick_tier.py",
     "test_llama.py",
@@ -112,7 +113,6 @@ TESTS = {
 # Modules no file of the tier imports by name (tests/test_quick_tier.py finds those that
 # are), and the quick test that runs them.
 THROUGH = {
-    "ulysses_dtensor.attention.dense": "test_attention.py",  # local_attention(..., "sdpa")
     "ulysses_dtensor.data.chat": "test_sft_data.py",  # the chat templates
     "ulysses_dtensor.data.order": "test_data.py",  # the epoch order of the stream
     "ulysses_dtensor.data.readers": "test_data_checks.py",  # every file format read and checked

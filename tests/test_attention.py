@@ -291,7 +291,9 @@ def test_flash_attn_missing_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     with pytest.raises(ImportError, match=r"pip install 'ulysses-dtensor\[flash\]'"):
         A._import_flash_attn()
-    # Without flash-attn, CUDA in 16-bit falls to torch's varlen (this torch has it) ...
+    # Without flash-attn, CUDA in 16-bit on a GPU the table does not give to cuDNN (here: no
+    # CUDA, a GPU of unknown capability; tests/test_kernel_table.py has every GPU's rows) falls
+    # to torch's varlen (this torch has it) ...
     assert default_backend("cuda") == "varlen"
     assert default_backend(torch.device("cuda", 0), torch.bfloat16) == "varlen"
     # ... and to sdpa when neither FlashAttention entry point exists.
@@ -354,7 +356,7 @@ def test_module_import_does_not_import_flash_attn():
 def test_constant_marker_is_what_torch_compiler_sets():
     # select.py marks its backend lookup constant to torch.compile without importing
     # torch._dynamo; torch's own decorator must mark a function the same way.
-    from ulysses_dtensor.attention.select import _constant_to_compile, _resolved_default
+    from ulysses_dtensor.attention.select import _constant_to_compile, _machine_refusal, _named_refusal, _resolved_auto
 
     def theirs():
         return 0
@@ -365,7 +367,8 @@ def test_constant_marker_is_what_torch_compiler_sets():
     torch.compiler.assume_constant_result(theirs)
     _constant_to_compile(ours)
     assert theirs.__dict__ == ours.__dict__ == {"_dynamo_marked_constant": True}
-    assert _resolved_default._dynamo_marked_constant
+    assert _resolved_auto._dynamo_marked_constant and _machine_refusal._dynamo_marked_constant
+    assert _named_refusal._dynamo_marked_constant
 
 
 def test_varlen_signature_probe_is_a_compile_time_constant():
@@ -496,7 +499,7 @@ def _fake_flash_module():
 
 @pytest.fixture
 def cuda_checks_off(monkeypatch):
-    monkeypatch.setattr(S, "kernel_refusal", lambda backend, device_type, dtype, head_dim: None)
+    monkeypatch.setattr(S, "kernel_refusal", lambda *args, **kwargs: None)
     import torch.nn.attention.varlen as varlen_mod
 
     monkeypatch.setattr(varlen_mod, "varlen_attn", fake_varlen_attn)
@@ -533,11 +536,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 BF16_GRAD_OF_MAX = 1e-2
 
 
-def _skip_if_unavailable(backend):
+def _skip_if_unavailable(backend, head_dim=64, v_head_dim=None):
     if backend == "flash_attn":
         pytest.importorskip("flash_attn")
     if backend == "varlen":
         pytest.importorskip("torch.nn.attention.varlen")
+    if backend in ("cudnn", "fa4"):  # not on this GPU / torch / cuDNN, or the package is absent: skipped, saying why
+        why = S.backend_refusal(backend, torch.device("cuda"), torch.bfloat16, head_dim, v_head_dim)
+        if why:
+            pytest.skip(f"{backend}: {why}")
 
 
 @pytest.mark.gpu
@@ -577,11 +584,40 @@ def test_gpu_backends_no_cross_document_attention(backend):
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_default_backend():
-    expect = "flash_attn"
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        expect = "varlen" if A._has_varlen() else "sdpa"
+    # The probe reads this GPU, and auto's plain causal kernel is the table's rule for it:
+    # cuDNN on Hopper / sm100 with a cuDNN above 9.15.0, else FlashAttention.
+    from ulysses_dtensor.attention import Capabilities
+
+    caps = Capabilities.read("cuda")
+    assert caps.sm == torch.cuda.get_device_capability() and caps.cudnn == torch.backends.cudnn.version()
+    cudnn = (caps.sm[0] in (9, 10) and (caps.cudnn or 0) > 91500 and caps.torch_version >= (2, 10)
+             and torch.backends.cuda.cudnn_sdp_enabled() and not caps.cudnn_deprioritized)
+    expect = "cudnn" if cudnn else "fa4" if caps.fa4 and caps.sm[0] in (9, 10) else "flash_attn"
+    if expect == "flash_attn":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            expect = "varlen" if A._has_varlen() else "sdpa"
     assert default_backend("cuda", torch.bfloat16) == expect
     assert default_backend("cuda", torch.float32) == "sdpa"
 
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cudnn_runs_cudnn_kernels_in_forward_recompute_and_backward():
+    # The restriction is entered inside the attention call: a checkpointed block's recompute
+    # (in backward) runs cuDNN too, and no FlashAttention kernel runs.
+    _skip_if_unavailable("cudnn", 128)
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = make_qkv(1, 1024, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=2)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = checkpoint(lambda q, k, v: local_attention(q, k, v, backend="cudnn"), q, k, v, use_reentrant=False)
+        out.sum().backward()
+        torch.cuda.synchronize()
+    kernels = [e.name.lower() for e in prof.events() if e.device_type.name == "CUDA"]
+    assert sum("cudnn" in n for n in kernels) >= 3, kernels  # forward, recompute, backward
+    assert not any("flash" in n and "cudnn" not in n for n in kernels), kernels  # torch's FA2: pytorch_flash::
+    ref = reference_attention(q, k, v)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)

@@ -22,7 +22,7 @@ import torch
 from test_attention import docs_from_lengths, make_qkv, reference_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ulysses_dtensor.attention import flex, local_attention
+from ulysses_dtensor.attention import Capabilities, flex, local_attention
 from ulysses_dtensor.attention.pattern import Pattern
 from ulysses_dtensor.attention.select import kernel_refusal, resolve_backend
 from ulysses_dtensor.parallel import documents as D
@@ -34,6 +34,7 @@ from ulysses_dtensor.parallel.ring_kernels import PairKernel, kernel_for
 
 BF16, FP32 = torch.bfloat16, torch.float32
 CUDA = torch.device("cuda")
+H100 = Capabilities.target("H100", "2.11")  # cuDNN 9.15.1: the table gives plain causal to cuDNN
 
 # --------------------------------------------------------------------------- #
 # Routing: pure functions, decided for CUDA on any machine
@@ -53,6 +54,21 @@ def test_ring_routes_each_pair_by_device_dtype_and_head_dim():
     assert kernel_for("cpu", BF16, 20, True) == PairKernel("cpu_flash", 20)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32 tensors; got torch.float64"):
         kernel_for("cuda", torch.float64, 64, False)
+    # The plain pairs follow the local kernel table: cuDNN where it gives plain causal attention to it.
+    assert kernel_for("cuda", BF16, 64, False, H100) == PairKernel("cudnn", 64)
+    assert kernel_for("cuda", torch.float16, 20, False, H100) == PairKernel("cudnn", 24)
+    assert kernel_for("cuda", BF16, 64, True, H100) == PairKernel("varlen", 64)  # documents: cu_seqlens
+    assert kernel_for("cuda", BF16, 200, False, H100) == PairKernel("flash", 200)  # over cuDNN's 128
+    assert kernel_for("cuda", FP32, 64, False, H100) == PairKernel("efficient", 64)
+    assert kernel_for("cuda", BF16, 64, False, Capabilities.target("A100")) == PairKernel("flash", 64)
+    old = Capabilities.target("H100", cuda="12.8")  # cuDNN 9.10.2: the trap row, FlashAttention-2
+    assert kernel_for("cuda", BF16, 64, False, old) == PairKernel("flash", 64)
+    # With documents the slices of a document shared across chunks (down to one token) run flash.
+    ids = docs_from_lengths([[5, 20, 7], [32]])[:, layout_indices(32, 2)]
+    kernels = tuple(kernel_for("cuda", BF16, 64, documents, H100) for documents in (False, True))
+    calls = [c for i in range(2) for c in R._calls(i, 0, -i % 2, 2, True, 16, R.ring_documents(ids, 2), kernels)]
+    assert {c.kernel.name for c in calls if not c.diagonal} == {"flash"}
+    assert {c.kernel.name for c in R._calls(1, 0, 1, 2, True, 16, None, kernels)} == {"cudnn"}
 
     # The ring's diagonal pairs follow: runs for varlen, a dense mask otherwise.
     ids = docs_from_lengths([[5, 20, 7], [32]])[:, layout_indices(32, 2)]
@@ -125,6 +141,26 @@ def test_every_cuda_route_meets_the_kernel_preconditions(monkeypatch, dtype, d, 
     assert aten.calls or kernel.name == "varlen"
 
 
+@pytest.mark.parametrize("d,hkv", [(64, 2), (20, 4), (128, 1)], ids=["gqa", "padded", "mqa"])
+def test_cudnn_pair_route_meets_the_kernel_preconditions(monkeypatch, d, hkv):
+    aten = shims.CheckedAten()
+    monkeypatch.setattr(K, "_aten", aten)
+    kernel = kernel_for("cuda", BF16, d, False, H100)
+    assert kernel.name == "cudnn"
+    q, k = _meta(2, 4, 32, d, dtype=BF16), _meta(2, hkv, 32, d, dtype=BF16)
+    out, lse, state = K.pair_forward(kernel, q, k, k, True, None)
+    assert (out.shape, lse.shape, lse.dtype) == (q.shape, q.shape[:3], torch.float32)  # the merge's layout
+    dout = _meta(dtype=BF16).expand(q.shape)  # out.sum()'s gradient: stride 0
+    grads = K.pair_backward(kernel, dout, q, k, k, out, lse, True, None, state)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+    assert aten.calls == ["cudnn", "cudnn_backward"]
+
+
+def test_cudnn_calls_fit_the_schemas_the_ring_is_written_against():
+    for name, schema in shims.CUDNN_SCHEMAS.items():
+        assert str(getattr(torch.ops.aten, name).default._schema) == schema, name
+
+
 @pytest.mark.parametrize("ops", ["torch 2.11", "installed"])
 def test_varlen_calls_fit_the_torch_2_11_and_installed_schemas(monkeypatch, ops):
     import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn)
@@ -158,6 +194,7 @@ def test_cuda_routes_compute_the_cpu_kernels_values(monkeypatch, d, scale):
     cu, longest = cu_seqlens_from_document_ids(seg)
     plain = PairKernel("cpu_flash", d)
     for kernel, mask, runs in ((kernel_for("cuda", BF16, d, False), None, None),
+                               (kernel_for("cuda", BF16, d, False, H100), None, None),
                                (kernel_for("cuda", BF16, d, True), R._dense_mask(seg, True).double(), (cu, longest))):
         out, lse, state = K.pair_forward(kernel, q, k, v, True, scale, runs=runs)
         want_out, want_lse, _ = K.pair_forward(plain, q, k, v, True, scale, mask)

@@ -112,7 +112,7 @@ def test_attention_matrix_marks_a_missing_package_unavailable(monkeypatch):
     import importlib.util
 
     matrix = load_script(REPO / MATRIX)
-    monkeypatch.setattr(matrix, "resolve_backend", lambda *a: "flash_attn")
+    monkeypatch.setattr(matrix, "resolve_backend", lambda *a, **k: "flash_attn")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     row = matrix.local_row("flash_attn", "documents", 64, torch.float32, "cpu", 48)
     assert row["status"] == "unavailable" and "flash-attn" in row["reason"]

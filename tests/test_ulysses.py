@@ -187,7 +187,7 @@ def _every_backend_worker(rank: int, world: int) -> None:
 
     from ulysses_dtensor.attention import select as S
 
-    S.kernel_refusal = lambda backend, device_type, dtype, head_dim: None
+    S.kernel_refusal = lambda *args, **kwargs: None
     varlen_mod.varlen_attn = T.fake_varlen_attn
     sys.modules["flash_attn"] = T._fake_flash_module()
 

@@ -16,15 +16,22 @@ of equal ids, even if an id value repeats later in the row.
 
 Backends (modules of this package):
 
-* ``auto``       the default: :func:`default_backend` for the tensors' device and
-                 dtype (``sdpa`` on CPU; on CUDA in 16-bit ``flash_attn`` if
-                 installed, else ``varlen``, else ``sdpa``), moved on to ``flex``
-                 (CUDA) / ``sdpa`` when that kernel cannot express the pattern,
-                 and to ``sdpa`` when it cannot take the tensors (a head dim
-                 over 256).
+* ``auto``       the default: the kernel table (:mod:`.kernel_table`) picks per
+                 call, from the case (documents, window, soft-cap, sinks, head
+                 dims, dtype) and the machine (:mod:`.capabilities`: GPU
+                 generation, torch and cuDNN versions, installed packages).
+                 ``sdpa`` on CPU; on Hopper / sm100 plain causal ``cudnn``;
+                 documents and windows on FlashAttention (``fa4`` on sm100,
+                 ``flash_attn``, ``varlen``); ``flex`` for sinks and (without
+                 flash-attn) soft-capping; ``sdpa`` for float32 and head dims
+                 over 256.
 * ``sdpa``       torch SDPA (:mod:`.dense`); CPU and CUDA, forward and backward.
                  Documents and windows use a dense (B, 1, S, S) boolean mask;
                  soft-capping and sinks an explicit-scores path.
+* ``cudnn``      SDPA restricted to cuDNN attention (:mod:`.dense`), entered
+                 inside the call (recompute and backward run it too); CUDA,
+                 16-bit, head dims up to 128 (q/k 192 with v 128 on sm90/sm100);
+                 windows and documents as a dense mask; cuDNN above 9.15.0.
 * ``flex``       FlexAttention (:mod:`.flex`): block mask, score_mod, sinks via
                  its log-sum-exp; compiled on CUDA, forward only on CPU.
 * ``varlen``     ``torch.nn.attention.varlen.varlen_attn`` (:mod:`.packed`);
@@ -32,6 +39,10 @@ Backends (modules of this package):
                  sinks.
 * ``flash_attn`` the flash-attn package, imported lazily (:mod:`.packed`); CUDA,
                  16-bit, head dims up to 256; windows and soft-capping; no sinks.
+* ``fa4``        FlashAttention-4 (the flash-attn-4 package) through torch's
+                 ``activate_flash_attention_impl("FA4")`` and the ``varlen``
+                 path (:mod:`.packed`); sm90 / sm100, 16-bit; windows. The
+                 switch is process-wide (torch's flash kernels all become FA4).
 
 Pattern semantics: :mod:`.pattern`. Feature support per backend:
 :data:`.select.SUPPORTS`; the tensors each kernel takes: :func:`.select.kernel_refusal`.
@@ -41,7 +52,9 @@ from ..parallel.documents import (
     cu_seqlens_from_document_ids,
     document_ids_from_position_ids,
 )
+from .capabilities import Capabilities
 from .dense import _repeat_kv
+from .kernel_table import Case, Choice, auto_choice, describe_choice
 from .local import LocalAttention, local_attention
 from .select import (
     BACKENDS,
@@ -55,8 +68,13 @@ from .select import (
 __all__ = [
     "BACKENDS",
     "FEATURES",
+    "Capabilities",
+    "Case",
+    "Choice",
+    "auto_choice",
     "check_backend",
     "default_backend",
+    "describe_choice",
     "document_ids_from_position_ids",
     "cu_seqlens_from_document_ids",
     "local_attention",

@@ -1,10 +1,16 @@
-"""The ``sdpa`` backend: torch SDPA with a dense mask, or explicit scores.
+"""The ``sdpa`` backend: torch SDPA with a dense mask, or explicit scores; and
+``cudnn``: SDPA restricted to cuDNN attention.
 
 SDPA takes a boolean mask (documents, a window) and runs fused kernels on CPU
 and CUDA with a backward. Soft-capping and sinks act on the scores before the
 softmax, which SDPA cannot express; then the scores are computed explicitly
 (a (B, H, S, S) float32 tensor: meant for CPU and short sequences, as the
 dense document mask is; on CUDA prefer ``flex``).
+
+``cudnn`` enters ``sdpa_kernel([CUDNN_ATTENTION])`` inside the attention call,
+so the forward, an activation-checkpoint recompute of it (which re-enters this
+call) and the backward (cuDNN's own, recorded by the forward) all run cuDNN,
+whatever SDPA's switches are around the model.
 """
 
 from __future__ import annotations
@@ -12,10 +18,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .pattern import Pattern, dense_mask
 
-__all__ = ["sdpa_attention"]
+__all__ = ["cudnn_attention", "sdpa_attention"]
+
+# The SDPA backends ``cudnn`` allows (tests on CPU swap in what a CPU can run).
+CUDNN_SDPA = [SDPBackend.CUDNN_ATTENTION]
 
 
 def _repeat_kv(t: Tensor, n_rep: int) -> Tensor:
@@ -71,3 +81,31 @@ def _explicit(q, k, v, pattern: Pattern, mask, scale, sinks) -> Tensor:
         sink = sinks.float().view(1, hq, 1, 1).expand(b, hq, s, 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
     return torch.einsum("bhij,bjhd->bihd", probs.to(v.dtype), v)
+
+
+def _pad_to(t: Tensor, multiple: int) -> Tensor:
+    d = t.shape[-1]
+    width = -(-d // multiple) * multiple
+    return t if width == d else F.pad(t, (0, width - d))
+
+
+def cudnn_attention(q, k, v, pattern: Pattern, seg, scale) -> Tensor:
+    """SDPA on cuDNN attention only: q/k and v zero-padded to head dims that are
+    multiples of 8 (cuDNN's rule; q/k and v may differ), the scale of the real
+    q/k dim, the output cropped to v's. GQA k/v as they are (cuDNN takes them);
+    documents and a window as a dense mask."""
+    d, dv = q.shape[-1], v.shape[-1]
+    scale = d**-0.5 if scale is None else scale
+    q, k, v = _pad_to(q, 8), _pad_to(k, 8), _pad_to(v, 8)
+    mask = dense_mask(seg, pattern, q.shape[1], q.device)
+    with sdpa_kernel(CUDNN_SDPA):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=pattern.causal and mask is None,
+            scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
+    return out.transpose(1, 2)[..., :dv]

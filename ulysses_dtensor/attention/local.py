@@ -6,9 +6,9 @@ import torch
 from torch import Tensor
 
 from ..parallel.documents import segment_ids
-from .dense import sdpa_attention
+from .dense import cudnn_attention, sdpa_attention
 from .flex import flex_attention_backend
-from .packed import flash_attn_backend, varlen_backend
+from .packed import fa4_backend, flash_attn_backend, varlen_backend
 from .pattern import check_pattern
 from .select import check_backend, resolve_backend
 
@@ -74,8 +74,8 @@ def local_attention(
     check_backend(backend)
     _check_shapes(q, k, v, document_ids)
     pattern = check_pattern(causal, window, softcap, sinks, q.shape[2])
-    # The packed kernels run q, k and v at one head dim, the larger of q/k's and v's.
-    backend = resolve_backend(backend, pattern.features(), q.device, q.dtype, max(q.shape[3], v.shape[3]))
+    backend = resolve_backend(backend, pattern.features(), q.device, q.dtype, q.shape[3],
+                              v_head_dim=v.shape[3], documents=document_ids is not None)
     seg = None
     if document_ids is not None:
         if document_ids.device != q.device:
@@ -86,8 +86,12 @@ def local_attention(
         out = sdpa_attention(q, k, v, pattern, seg, scale, sinks)
     elif backend == "flex":
         out = flex_attention_backend(q, k, v, pattern, seg, scale, document_ids, sinks)
+    elif backend == "cudnn":
+        out = cudnn_attention(q, k, v, pattern, seg, scale)
     elif backend == "varlen":
         out = varlen_backend(q, k, v, pattern, seg, scale, document_ids)
+    elif backend == "fa4":
+        out = fa4_backend(q, k, v, pattern, seg, scale, document_ids)
     else:
         out = flash_attn_backend(q, k, v, pattern, seg, scale, document_ids)
     return out.to(q.dtype)

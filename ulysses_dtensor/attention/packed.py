@@ -1,6 +1,7 @@
-"""The FlashAttention backends on packed sequences: torch's ``varlen`` and the
-flash-attn package's ``flash_attn``. CUDA and 16-bit only (refused otherwise
-by :func:`~.select.resolve_backend` before they run).
+"""The FlashAttention backends on packed sequences: torch's ``varlen``, the
+flash-attn package's ``flash_attn``, and ``fa4`` (torch's varlen path with its
+flash kernels routed to the flash-attn-4 package). CUDA and 16-bit only
+(refused otherwise by :func:`~.select.resolve_backend` before they run).
 
 Documents become ``cu_seqlens`` over the flattened batch, so masked blocks are
 skipped rather than computed. A sliding window of W keys is the kernels'
@@ -14,8 +15,6 @@ passed) nor the kept output columns.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 
 import torch
@@ -27,11 +26,12 @@ from ..parallel.documents import (
     cu_seqlens,
     cu_seqlens_from_document_ids,
 )
+from .capabilities import varlen_keywords
 from .dense import _repeat_kv
 from .pattern import Pattern
 from .select import FLASH_HEAD_DIM_MULTIPLE, _constant_to_compile, _import_flash_attn
 
-__all__ = ["flash_attn_backend", "varlen_backend"]
+__all__ = ["fa4_backend", "flash_attn_backend", "varlen_backend"]
 
 
 def _packed_lengths(seg, document_ids, b, s, device):
@@ -66,23 +66,16 @@ def _one_head_dim(q, k, v, scale, multiple: int):
     return q, k, v, scale, dv
 
 
-@functools.cache
-def _varlen_keywords() -> frozenset:
-    from torch.nn.attention.varlen import varlen_attn
-
-    return frozenset(inspect.signature(varlen_attn).parameters)
-
-
 @_constant_to_compile
 def _varlen_accepts(name: str) -> bool:
     """Whether this torch's ``varlen_attn`` takes keyword ``name`` (its signature
     changed from 2.10 to 2.12). A constant to torch.compile, which calls it at
     trace time: traced, the cached signature lookup drew dynamo's lru_cache
     warning on torch 2.11 (H200, 2026-11-26)."""
-    return name in _varlen_keywords()
+    return name in varlen_keywords()
 
 
-def varlen_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tensor:
+def varlen_backend(q, k, v, pattern: Pattern, seg, scale, document_ids, name: str = "varlen") -> Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     b, s, hq, _ = q.shape
@@ -98,7 +91,7 @@ def varlen_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tenso
         kwargs["window_size"] = _window_size(pattern)
     elif pattern.window is not None:
         raise ValueError(
-            f"attention backend 'varlen' cannot apply a sliding window (window={pattern.window}) in this "
+            f"attention backend {name!r} cannot apply a sliding window (window={pattern.window}) in this "
             f"torch ({torch.__version__}): its varlen_attn has no window_size; backends that can: sdpa, flex, "
             "flash_attn"
         )
@@ -118,6 +111,30 @@ def varlen_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tenso
 
     out = varlen_attn(*_tokens_major(q, k, v), cu, cu, max_len, max_len, **kwargs)
     return out.reshape(b, s, hq, d)[..., :dv]
+
+
+@_constant_to_compile
+def _fa4_active() -> bool:
+    """Route torch's flash kernels to FlashAttention-4 (process-wide, once).
+    A constant to torch.compile: the switch happens at trace time, never in a graph.
+
+    torch's FA4 route replaces the CUDA kernels of ``aten._flash_attention_forward``
+    / ``_backward`` (what ``varlen`` runs) and of SDPA's flash backend for the whole
+    process: after a ``fa4`` call, ``varlen``, SDPA's flash kernel and the ring's
+    flash pairs run FlashAttention-4 too."""
+    from torch.nn.attention import (
+        activate_flash_attention_impl,
+        current_flash_attention_impl,
+    )
+
+    if current_flash_attention_impl() != "FA4":
+        activate_flash_attention_impl("FA4")
+    return True
+
+
+def fa4_backend(q, k, v, pattern: Pattern, seg, scale, document_ids) -> Tensor:
+    _fa4_active()
+    return varlen_backend(q, k, v, pattern, seg, scale, document_ids, name="fa4")
 
 
 def _tokens_major(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -34,7 +34,8 @@ benchmark's reference).
 What is PyTorch's and what is ours
 ----------------------------------
 Reused: the LSE-returning kernels (SDPA's CPU flash kernel and its backward,
-which take GQA k/v; on CUDA SDPA's flash / memory-efficient ops and
+which take GQA k/v; on CUDA cuDNN attention where the kernel table gives plain
+causal attention to it, SDPA's flash / memory-efficient ops and
 ``torch.nn.attention.varlen``'s ops, :mod:`~ulysses_dtensor.parallel.ring_kernels`),
 functional collectives, and ``_HeadTailLoadBalancer`` for the layout.
 
@@ -61,6 +62,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..attention import FEATURES, LocalAttention, local_attention
+from ..attention.capabilities import Capabilities
 from .documents import cached_for_documents
 from .ring_kernels import PairKernel, kernel_for, pair_backward, pair_forward
 from .ring_layout import (
@@ -121,8 +123,10 @@ class _Call(NamedTuple):
 
 
 def _pair_kernels(q: Tensor) -> tuple[PairKernel, PairKernel]:
-    """(plain pairs, diagonal pairs of packed documents) kernels for q (B, H, S, D)."""
-    return tuple(kernel_for(q.device.type, q.dtype, q.shape[-1], documents) for documents in (False, True))
+    """(plain pairs, diagonal pairs of packed documents) kernels for q (B, H, S, D):
+    the plain pairs follow the local kernel table on this machine."""
+    caps = Capabilities.probe(q.device) if q.is_cuda else None
+    return tuple(kernel_for(q.device.type, q.dtype, q.shape[-1], documents, caps) for documents in (False, True))
 
 
 def _calls(i, rank, src, size, causal, s, docs: Documents | None, kernels) -> list[_Call]:
@@ -134,6 +138,9 @@ def _calls(i, rank, src, size, causal, s, docs: Documents | None, kernels) -> li
     and any other pair over the one document it may share, per batch row.
     """
     plain, diagonal_kernel = kernels
+    # A document shared across chunks can leave a slice of one token, which cuDNN
+    # attention does not take (a key length of 1): those slices run FlashAttention.
+    shared_kernel = PairKernel("flash", plain.head_dim) if plain.name == "cudnn" else plain
     half = s // 2
     out = []
     for qc, kc in _chunk_pairs(i, rank, src, causal):
@@ -154,7 +161,7 @@ def _calls(i, rank, src, size, causal, s, docs: Documents | None, kernels) -> li
         for b, q_rows, k_rows in docs.shared(pq, pk):
             q_abs = slice(qs.start + q_rows.start, qs.start + q_rows.stop)
             k_abs = slice(ks.start + k_rows.start, ks.start + k_rows.stop)
-            out.append(_Call(slice(b, b + 1), q_abs, k_abs, False, plain, None, None, False))
+            out.append(_Call(slice(b, b + 1), q_abs, k_abs, False, shared_kernel, None, None, False))
     return out
 
 

@@ -7,25 +7,34 @@ pair. Layout: q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)`` with ``H % Hkv == 0``
 (GQA without repeating kv heads where the kernel allows it); lse ``(B, H, Sq)``.
 
 Which kernel runs a pair is :func:`kernel_for`'s decision, from the device type,
-dtype and head dim alone (so it is tested for CUDA on any machine):
+dtype, head dim and the machine's :class:`~ulysses_dtensor.attention.capabilities.Capabilities`
+(so it is tested for CUDA on any machine, the capabilities mocked):
 
 * CPU: SDPA's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``
   and its backward), which takes GQA k/v and a dense additive mask.
-* CUDA, 16-bit, no mask: SDPA's flash kernel (``aten._scaled_dot_product_flash_attention``).
+* CUDA, 16-bit, no mask, where the kernel table gives plain causal attention to
+  ``cudnn`` (Hopper / sm100, cuDNN above 9.15.0; :mod:`~ulysses_dtensor.attention.kernel_table`):
+  cuDNN attention (``aten._scaled_dot_product_cudnn_attention`` with its
+  log-sum-exp, and its backward), GQA k/v as they are.
+* CUDA, 16-bit, no mask, elsewhere: SDPA's flash kernel (``aten._scaled_dot_product_flash_attention``).
 * CUDA, 16-bit, documents on the diagonal pair: FlashAttention varlen with the
   LSE (``torch.ops.torch_attn._varlen_attn``, what ``torch.nn.attention.varlen``
   runs), one sequence per document run of the chunk: no mask.
 * CUDA otherwise (float32, or a head dim over 256): SDPA's memory-efficient
   kernel, documents as an additive bias.
 
-torch's flash kernels take head dims that are a multiple of 8 (only SDPA's
-dispatcher pads): q, k, v (and dout, out in backward) are zero-padded up to
-one, with the softmax scale of the real head dim, and the results cropped --
+torch's flash kernels and cuDNN take head dims that are a multiple of 8 (only
+SDPA's dispatcher pads): q, k, v (and dout, out in backward) are zero-padded up
+to one, with the softmax scale of the real head dim, and the results cropped --
 exact, the padded columns add nothing to the scores and stay zero.
 
+LSE layouts: flash returns (B, H, Sq); cuDNN (B, H, Sq, 1) in the torch versions
+read (2.11, 2.13; torch's meta kernel says so), so its forward drops the last
+dim and its backward restores the shape its forward returned.
+
 No GPU was lent while this was written: the CUDA calls are checked on meta
-tensors only (tests/test_ring.py), against the kernels' preconditions and the
-schemas of torch 2.11 and of the installed torch.
+tensors only (tests/test_cuda_calls_on_cpu.py), against the kernels'
+preconditions and the schemas of torch 2.11 and of the installed torch.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..attention.capabilities import Capabilities
+from ..attention.kernel_table import Case, auto_choice
 from ..attention.select import FLASH_DTYPES, FLASH_MAX_HEAD_DIM, flash_head_dim
 
 __all__ = ["PairKernel", "kernel_for", "pair_backward", "pair_forward"]
@@ -47,19 +58,25 @@ _aten = torch.ops.aten
 class PairKernel:
     """The kernel that runs a pair, and the head dim it runs at (q, k, v zero-padded up to it)."""
 
-    name: str  # "cpu_flash", "flash", "varlen" or "efficient"
+    name: str  # "cpu_flash", "cudnn", "flash", "varlen" or "efficient"
     head_dim: int
 
 
-def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int, documents: bool) -> PairKernel:
+def kernel_for(
+    device_type: str, dtype: torch.dtype, head_dim: int, documents: bool, caps: Capabilities | None = None
+) -> PairKernel:
     """The kernel for a pair of tensors of this device type, dtype and head dim.
 
     ``documents``: the pair is a chunk against itself with packed documents (its
-    document runs need a mask or varlen); every other pair is plain attention.
+    document runs need a mask or varlen); every other pair is plain attention,
+    which runs what the kernel table gives plain causal attention on ``caps``
+    (None: a GPU of unknown capability) when that is cuDNN.
     """
     if device_type != "cuda":
         return PairKernel("cpu_flash", head_dim)
     padded = flash_head_dim(head_dim)
+    if not documents and caps is not None and auto_choice(Case(dtype, head_dim), caps).backend == "cudnn":
+        return PairKernel("cudnn", padded)
     if dtype in FLASH_DTYPES and padded <= FLASH_MAX_HEAD_DIM:
         return PairKernel("varlen" if documents else "flash", padded)
     if dtype in (torch.float32, *FLASH_DTYPES):
@@ -83,6 +100,8 @@ def pair_forward(kernel: PairKernel, q, k, v, causal: bool, scale, mask: Tensor 
     q, k, v = (_pad(t, kernel.head_dim) for t in (q, k, v))
     if kernel.name == "varlen":
         out, lse, state = _varlen_forward(q, k, v, causal, scale, runs)
+    elif kernel.name == "cudnn":
+        out, lse, state = _cudnn_forward(q, k, v, causal, scale)
     else:
         out, lse, state = _cuda_forward(q, k, v, causal, scale)
     return out[..., :d], lse, state
@@ -101,7 +120,7 @@ def pair_backward(kernel: PairKernel, dout, q, k, v, out, lse, causal: bool, sca
     d = q.shape[-1]
     scale = d**-0.5 if scale is None else scale
     dout, q, k, v, out = (_pad(t, kernel.head_dim) for t in (dout, q, k, v, out))
-    backward = _varlen_backward if kernel.name == "varlen" else _cuda_backward
+    backward = {"varlen": _varlen_backward, "cudnn": _cudnn_backward}.get(kernel.name, _cuda_backward)
     return tuple(g[..., :d] for g in backward(dout, q, k, v, out, lse, causal, scale, state))
 
 
@@ -126,6 +145,27 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale, state):
     _, cum_q, cum_k, seed, offset = state
     return _aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale,
+    )
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    """cuDNN attention with its log-sum-exp: 16-bit, head dim a multiple of 8 (up to
+    128 here: the kernel table's rule), GQA k/v."""
+    out, lse, _, _, _, _, seed, offset, _ = _aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
+    # (B, H, Sq, 1) -> (B, H, Sq) for the merge; the backward gets the shape back.
+    return out, lse.reshape(q.shape[:3]), ("cudnn", seed, offset, tuple(lse.shape[3:]))
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, scale, state):
+    _, seed, offset, lse_tail = state
+    # cuDNN's backward reads dout with out's strides (and copies one with a zero
+    # stride): both in the contiguous (B, H, Sq, D) layout.
+    dout, out = dout.contiguous(), out.contiguous()
+    lse = lse.contiguous().view(*lse.shape, *lse_tail)
+    return _aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
     )
 
 

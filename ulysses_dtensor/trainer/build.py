@@ -98,7 +98,7 @@ def build_model(
     from .hf_model import build_transformers_model, uses_transformers
 
     shape = args or model_args(cfg, vocab_size)
-    check_attention_kernel(cfg.model.attn_backend, shape, device.type, _DTYPES[cfg.training.mixed_precision_param])
+    check_attention_kernel(cfg.model.attn_backend, shape, device, _DTYPES[cfg.training.mixed_precision_param])
     if uses_transformers(cfg):  # transformers' own model class (model.implementation)
         return build_transformers_model(cfg, pmesh, device, init_weights=init_weights,
                                         n_layers=args.n_layers if args is not None else None)

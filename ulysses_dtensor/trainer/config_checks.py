@@ -394,17 +394,22 @@ def _check_ring(cfg: JobConfig, schedule, dims) -> None:
         )
 
 
-def check_attention_kernel(backend: str, args, device_type: str, dtype) -> None:
+def check_attention_kernel(backend: str, args, device, dtype) -> None:
     """A named backend whose kernel cannot take this run's attention tensors (the
-    device, the compute dtype, the head dim: ``args.head_dim``, or MLA's larger
-    ``v_head_dim``) is refused here, before any step; ``auto`` picks one that can."""
-    from ..attention.select import kernel_refusal
+    device, the compute dtype, the head dims: ``args.head_dim`` and MLA's
+    ``v_head_dim``), or that this machine cannot run (cuDNN's version, the
+    flash-attn-4 package), is refused here, before any step; ``auto`` picks one that can."""
+    import torch
 
-    head_dim = max(args.head_dim, getattr(args, "v_head_dim", 0))
-    why = kernel_refusal(backend, device_type, dtype, head_dim)
+    from ..attention.select import backend_refusal
+
+    device = torch.device(device)
+    head_dim, v_head_dim = args.head_dim, getattr(args, "v_head_dim", 0) or None
+    why = backend_refusal(backend, device, dtype, head_dim, v_head_dim)
     if why:
+        dims = head_dim if v_head_dim in (None, head_dim) else f"{head_dim}, v {v_head_dim}"
         raise ConfigError(
-            f"model.attn_backend={backend!r} (head dim {head_dim}, {dtype} on {device_type}; the dtype is "
+            f"model.attn_backend={backend!r} (head dim {dims}, {dtype} on {device.type}; the dtype is "
             f"training.mixed_precision_param's) {why}"
         )
 

@@ -64,7 +64,8 @@ class Model:
         "one the matrix has not measured (newer than it) is checked at start on the run's own ranks")
     flavor: str = _f("debug", "model size, a key of ulysses_dtensor.models.llama.FLAVORS")
     attn_backend: str = _f(
-        "auto", "local attention after the all-to-all (auto: sdpa on CPU, flash_attn/varlen on CUDA bf16)", BACKENDS
+        "auto", "local attention after the all-to-all (auto: the kernel table, docs/attention-kernels.md: "
+        "sdpa on CPU; on CUDA bf16 cudnn for plain causal on Hopper, FlashAttention for documents)", BACKENDS
     )
     vocab_size: int = _f(0, "0: the tokenizer's vocabulary rounded up to vocab_multiple_of")
     vocab_multiple_of: int = _f(64, "round the tokenizer vocabulary up to a multiple of this")

@@ -180,7 +180,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"{f' (ring {dims.ring} x ulysses {dims.ulysses})' if dims.ring > 1 else ''}"
         f"{f' tp={dims.tp}' if dims.tp > 1 else ''}\n"
         f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
-        f"(tokenizer {tokenizer.vocab_size}), attention {cfg.model.attn_backend}\n"
+        f"(tokenizer {tokenizer.vocab_size})\n"
+        f"  attention: {_attention_banner(cfg, vocab_size, device)}\n"
         f"  implementation {_implementation_banner(cfg)}\n"
         + _family_banner(model) +
         f"{_lora_banner(cfg, model, trained, n_params)}"
@@ -319,6 +320,20 @@ def _lora_banner(cfg: JobConfig, model, trained: int, total: int) -> str:
     return (f"  LoRA rank {lo.rank}, alpha {lo.alpha:g}{drop} on {modules} modules ({', '.join(lo.target_modules)})"
             f"{saved}: {trained / 1e6:.3f}M of {total / 1e6:.2f}M parameters trained, the base frozen; "
             f"checkpoints hold the trained ones\n")
+
+
+def _attention_banner(cfg: JobConfig, vocab_size: int, device: torch.device) -> str:
+    """What attention kernel runs and why (the kernel table on this device), and the
+    trap when there is one (cuDNN too old, hidden or deprioritized -> FlashAttention-2)."""
+    from ..attention.capabilities import Capabilities
+    from ..attention.kernel_table import describe_run
+    from .build import _DTYPES
+    from .config_checks import model_args
+
+    shape = model_args(cfg, vocab_size)
+    return describe_run(cfg.model.attn_backend, Capabilities.probe(device),
+                        _DTYPES[cfg.training.mixed_precision_param], shape.head_dim,
+                        getattr(shape, "v_head_dim", 0) or None)
 
 
 def _implementation_banner(cfg: JobConfig) -> str:
