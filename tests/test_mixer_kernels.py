@@ -113,6 +113,18 @@ def test_mixers_of_a_model_name_their_ops():
     assert mixer_ops(torch.nn.Linear(2, 2)) == frozenset()
 
 
+def test_trainer_banner_has_a_mixers_line_for_hybrid_models():
+    from types import SimpleNamespace
+
+    from ulysses_dtensor.trainer.loop import _mixer_banner
+
+    cfg = SimpleNamespace(training=SimpleNamespace(mixed_precision_param="bfloat16"))
+    hybrid = torch.nn.ModuleList([type("BambaMixer", (torch.nn.Module,), {})()])
+    assert _mixer_banner(hybrid, torch.device("cpu"), cfg) == (
+        "  mixers: torch for every op (tensors on cpu: the kernels run on CUDA only)\n")
+    assert _mixer_banner(torch.nn.Linear(2, 2), torch.device("cpu"), cfg) == ""
+
+
 def test_on_cpu_no_kernel_package_is_imported(monkeypatch):
     """CPU tensors decide "torch" before any probe: a kernel package's import costs seconds
     and, for fla-core, warns that Triton has no driver."""
