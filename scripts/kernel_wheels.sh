@@ -1,6 +1,7 @@
 # The hybrid mixers' GPU kernels on an offline GPU machine: fla-core 0.6.0 (a ~1 MB
 # pure-Python wheel of Triton kernels; einops, its one dependency, and triton come with
-# torch's images) carried in the working tree's git-ignored .whl/ folder.
+# torch's images) carried in the working tree's .whl/ folder (git-ignored: name it in a
+# device run's carry).
 #
 #   bash scripts/kernel_wheels.sh download   # where the registry is reachable: .whl/fla_core-0.6.0-py3-none-any.whl
 #   source scripts/kernel_wheels.sh          # on the GPU machine, first: installs the carried wheel
@@ -11,10 +12,6 @@
 _kw_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _kw_py="${PYTHON:-python3}"
 if [ "${1:-}" = "download" ]; then
-    _kw_exclude="$(cd "$_kw_repo" && git rev-parse --path-format=absolute --git-path info/exclude)"
-    mkdir -p "$(dirname "$_kw_exclude")"
-    grep -qxF "/.whl/" "$_kw_exclude" 2>/dev/null || echo "/.whl/" >>"$_kw_exclude"
-    unset _kw_exclude
     "$_kw_py" -m pip download -q --no-deps --only-binary=:all: -d "$_kw_repo/.whl" "fla-core==0.6.0" && \
         ls -l "$_kw_repo"/.whl/fla_core-*.whl
 elif "$_kw_py" -c "import fla" 2>/dev/null; then
