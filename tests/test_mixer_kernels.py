@@ -430,6 +430,8 @@ def _compare(op, kernel, dtype, documents, rtol):
     return got
 
 
+# Which of _gpu_inputs' tensors are (batch, seq, ...): the rest are per head / channel.
+PER_TOKEN = {"gated_delta": {0, 1, 2, 3, 4}, "conv": {0}, "ssd": {0, 1, 3, 4}, "selective": {0, 1, 4, 5}}
 GPU_CASES = [("gated_delta", "fla.chunk_gated_delta_rule"), ("conv", "fla.causal_conv1d"),
              ("conv", "causal_conv1d_fn"), ("ssd", "mamba_chunk_scan_combined")]
 
@@ -443,14 +445,11 @@ def test_gpu_kernel_matches_torch_and_documents_alone(op, kernel):
     packed = _compare(op, kernel, BF16, docs, BF16_RTOL[op])
     # Each document run alone through the kernel (batch 1, no documents) equals its slice of the packed run.
     inputs = _gpu_inputs(op, BF16)
-    per_row_inputs = {"gated_delta": 5, "conv": 1, "ssd": 5}[op]  # leading inputs with (batch, seq) dims
+    per_token = PER_TOKEN[op]
     worst = 0.0
     for r, row in enumerate(GPU_STARTS):
         for a, b in zip(row, row[1:] + [GPU_SEQ]):
-            piece = [t[r:r + 1, a:b] if i < per_row_inputs else t for i, t in enumerate(inputs)]
-            if op == "ssd":  # x, dt, A (per head), B, C, D
-                piece = [inputs[0][r:r + 1, a:b], inputs[1][r:r + 1, a:b], inputs[2], inputs[3][r:r + 1, a:b],
-                         inputs[4][r:r + 1, a:b], inputs[5]]
+            piece = [t[r:r + 1, a:b] if i in per_token else t for i, t in enumerate(inputs)]
             alone = _run(op, piece, None, kernel).float()
             worst = max(worst, _rel(alone, packed[r:r + 1, a:b]))
     print(f"{op} {kernel}: each document alone vs packed, max rel {worst:.1e}")
