@@ -348,6 +348,20 @@ def test_calls_bind_to_the_installed_functions(emulated_cuda, name):
         assert version("fla-core") == "0.6.0", "the conventions in mixers/fla_kernels.py were read in fla-core 0.6.0"
 
 
+def test_transformers_references_keep_their_torch_path_on_a_cpu_torch():
+    """tests/transformers_torch_paths.py: with fla-core installed, transformers would bind
+    Qwen3-Next's gated delta rule to fla's Triton kernel, which fails without a GPU."""
+    _real("fla.chunk_gated_delta_rule")  # skips where fla-core is absent: nothing to guard against
+    if torch.backends.cuda.is_built():
+        pytest.skip("a CUDA build of torch: fla's kernels are the reference there")
+    from transformers.models.qwen3_next import modeling_qwen3_next as own
+
+    q, k = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8)
+    v, g, beta = torch.randn(1, 5, 2, 8), -torch.rand(1, 5, 2), torch.rand(1, 5, 2)
+    out, _ = own.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, chunk_gated_delta_rule_documents(q, k, v, g, beta, torch.zeros(1, 5).long()))
+
+
 # ---------------------------------------------------------------------------
 # GPU: the real kernels against the torch code
 # ---------------------------------------------------------------------------
