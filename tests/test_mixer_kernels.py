@@ -27,7 +27,10 @@ import torch.nn.functional as F
 
 from ulysses_dtensor.mixers import dispatch, kernel_choice
 from ulysses_dtensor.mixers.fla_kernels import fla_cu_seqlens
-from ulysses_dtensor.mixers.gated_delta import causal_conv_documents, chunk_gated_delta_rule_documents
+from ulysses_dtensor.mixers.gated_delta import (
+    causal_conv_documents,
+    chunk_gated_delta_rule_documents,
+)
 from ulysses_dtensor.mixers.kernel_choice import (
     KERNEL_FUNCTIONS,
     choose_conv,
@@ -37,7 +40,6 @@ from ulysses_dtensor.mixers.kernel_choice import (
     describe_mixer_kernels,
 )
 from ulysses_dtensor.mixers.ssm_scan import selective_scan_documents, ssd_documents
-from ulysses_dtensor.parallel.documents import segment_ids
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 ALL = frozenset(KERNEL_FUNCTIONS)
