@@ -66,6 +66,7 @@ TESTS = {
     ],
     "test_mixer_kernels.py": [
         "test_decision_table",
+        "test_inside_torch_compile_the_torch_code_runs",
         "test_banner_says_what_runs_and_why",
         "test_mixers_of_a_model_name_their_ops",
         "test_on_cpu_no_kernel_package_is_imported",

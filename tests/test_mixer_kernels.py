@@ -88,6 +88,16 @@ def test_decision_table(choose, args, kernels, kernel, words):
     assert (choice.kernel, words in choice.reason) == (kernel, True), choice
 
 
+def test_inside_torch_compile_the_torch_code_runs():
+    """A compiled layer (transformers' hybrid families compile fullgraph) cannot call the
+    kernels: fla-core's entry points disable compile, the CUDA extensions are opaque."""
+    for choose, args in [(choose_gated_delta, (BF16, 128, 128)), (choose_conv, (BF16, 64, 4)), (choose_ssd, (BF16,)),
+                         (choose_selective_scan, (BF16, 16, False))]:
+        choice = choose("cuda", *args, kernels=ALL, compiling=True)
+        assert (choice.kernel, "inside torch.compile" in choice.reason) == ("torch", True), choice
+        assert choose("cuda", *args, kernels=ALL).kernel != "torch"
+
+
 def test_banner_says_what_runs_and_why():
     ops = {"conv", "gated_delta", "ssd", "selective"}
     assert describe_mixer_kernels(ops, "cpu", BF16) == (
@@ -224,7 +234,7 @@ def emulated_cuda(monkeypatch):
     kernels are the emulators above, recording each call as (kernel, kwargs)."""
     state = {"available": ALL, "calls": []}
 
-    def kernel_for(op, device_type, dtype, *args):
+    def kernel_for(op, device_type, dtype, *args, compiling=False):
         return dispatch._CHOOSE[op]("cuda", BF16, *args, kernels=state["available"]).kernel
 
     monkeypatch.setattr(dispatch, "kernel_for", kernel_for)
@@ -299,7 +309,7 @@ def test_kernel_paths_compute_what_the_torch_path_computes(emulated_cuda, availa
             got = _ops(1)[op](documents)
             ran = [name for name, _ in emulated_cuda["calls"]]
             with pytest.MonkeyPatch.context() as m:  # the torch path: no emulator runs
-                m.setattr(dispatch, "kernel_for", lambda *a: "torch")
+                m.setattr(dispatch, "kernel_for", lambda *a, **kw: "torch")
                 want = _ops(1)[op](documents)
             expected = EXPECTED[(available, documents is not None)][op]
             assert ran == ([expected] if expected else []), (op, documents is not None, ran)
@@ -411,7 +421,7 @@ def _gpu_inputs(op: str, dtype):
 def _run(op: str, inputs, documents, path: str):
     """One op through the dispatcher, the decision forced to ``path`` (a kernel or "torch")."""
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(dispatch, "kernel_for", lambda *a: path)
+        m.setattr(dispatch, "kernel_for", lambda *a, **kw: path)
         if op == "gated_delta":
             return dispatch.gated_delta_rule(*inputs, document_ids=documents)
         if op == "conv":

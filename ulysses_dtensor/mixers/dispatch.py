@@ -42,12 +42,12 @@ _CHOOSE = {"gated_delta": choose_gated_delta, "conv": choose_conv, "ssd": choose
 _DECIDED: dict[tuple, KernelChoice] = {}
 
 
-def kernel_for(op: str, device_type: str, *args) -> str:
+def kernel_for(op: str, device_type: str, *args, compiling: bool = False) -> str:
     """The kernel that runs ``op`` (a key of the ``choose_*`` table) for these arguments,
     decided once per distinct arguments and logged then (INFO, ``ulysses_dtensor.mixers``)."""
-    key = (op, device_type, *args)
+    key = (op, device_type, compiling, *args)
     if key not in _DECIDED:
-        _DECIDED[key] = choice = _CHOOSE[op](device_type, *args)
+        _DECIDED[key] = choice = _CHOOSE[op](device_type, *args, compiling=compiling)
         logger.info("mixer kernel: %s", choice)
     return _DECIDED[key].kernel
 
@@ -55,6 +55,10 @@ def kernel_for(op: str, device_type: str, *args) -> str:
 # torch.compile calls it at trace time and keeps the result as a constant (what
 # torch.compiler.assume_constant_result marks, without importing torch._dynamo here).
 kernel_for._dynamo_marked_constant = True
+
+
+def _kernel(op: str, device_type: str, *args) -> str:
+    return kernel_for(op, device_type, *args, compiling=torch.compiler.is_compiling())
 
 
 def _segments(document_ids: Tensor | None, batch: int, seq: int, device) -> Tensor:
@@ -75,7 +79,7 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     a multiple of k_heads; ``g`` (log decay) and ``beta`` (after its sigmoid): (batch,
     seq, v_heads). Returns (batch, seq, v_heads, v_dim) in v's dtype."""
     dtype = _same_dtype(q, k, v)
-    kernel = kernel_for("gated_delta", q.device.type, dtype, k.shape[-1], v.shape[-1])
+    kernel = _kernel("gated_delta", q.device.type, dtype, k.shape[-1], v.shape[-1])
     if kernel == "fla.chunk_gated_delta_rule":
         return fla_gated_delta_rule(q, k, v, g, beta, document_ids)
     return chunk_gated_delta_rule_documents(q, k, v, g, beta, _segments(document_ids, *q.shape[:2], q.device))
@@ -92,7 +96,7 @@ def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, document_ids: Te
                          f"{FUSED_ACTIVATIONS[1:]} or None, or a callable")
     fused = None if callable(activation) else activation
     after = activation if callable(activation) else None
-    kernel = kernel_for("conv", x.device.type, x.dtype, x.shape[-1], weight.shape[-1])
+    kernel = _kernel("conv", x.device.type, x.dtype, x.shape[-1], weight.shape[-1])
     if kernel == "causal_conv1d_fn":
         segments = None if document_ids is None else segment_ids(document_ids)
         out = causal_conv1d_seq_idx(x, weight, bias, segments, fused)
@@ -110,7 +114,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size:
     seq, heads), already biased, softplus-ed and clamped; ``A``, ``D``: (heads,); ``B``,
     ``C``: (batch, seq, groups, state), heads divisible by groups. Returns x's shape and dtype."""
     dtype = _same_dtype(x, B, C)
-    if kernel_for("ssd", x.device.type, dtype) == "mamba_chunk_scan_combined":
+    if _kernel("ssd", x.device.type, dtype) == "mamba_chunk_scan_combined":
         segments = None if document_ids is None else segment_ids(document_ids)
         return mamba_chunk_scan(x, dt, A, B, C, chunk_size, D, segments)
     per_group = x.shape[2] // B.shape[2]
@@ -128,7 +132,7 @@ def selective_scan(x: Tensor, dt: Tensor, dt_bias: Tensor, A: Tensor, B: Tensor,
     float32); ``A``: (channels, state); ``B``, ``C``: (batch, seq, state); ``dt_bias``, ``D``:
     (channels,). Returns x's shape and dtype."""
     dtype = _same_dtype(x, dt, B, C)
-    kernel = kernel_for("selective", x.device.type, dtype, A.shape[-1], document_ids is not None)
+    kernel = _kernel("selective", x.device.type, dtype, A.shape[-1], document_ids is not None)
     if kernel == "selective_scan_fn":
         return mamba_selective_scan(x, dt, dt_bias, A, B, C, D)
     delta = F.softplus(dt.float() + dt_bias.float())

@@ -17,7 +17,7 @@ package importable, in the dtypes it computes exactly (fla's and mamba-ssm's chu
 kernels multiply on tensor cores, TF32 for float32 inputs: 16-bit only; the convolutions
 and the selective scan accumulate in float32: any float dtype), for the shapes it takes.
 Anything else runs the torch code of :mod:`.gated_delta` / :mod:`.ssm_scan`, never a
-different result. Each ``choose_*`` function is pure (the importable kernels passed in,
+different result; so does a layer inside torch.compile (the kernels are opaque to it). Each ``choose_*`` function is pure (the importable kernels passed in,
 or probed once on CUDA), so every row is tested on CPU with them mocked.
 """
 
@@ -107,9 +107,14 @@ class _Importable:
 _IMPORTABLE = _Importable()
 
 
-def _not_here(op: str, device_type: str) -> KernelChoice | None:
+def _not_here(op: str, device_type: str, compiling: bool) -> KernelChoice | None:
     if device_type != "cuda":
         return KernelChoice(op, TORCH, f"tensors on {device_type}: the kernels run on CUDA only")
+    if compiling:
+        # fla-core's entry points disable torch.compile, the CUDA extensions are opaque to it:
+        # a fullgraph-compiled layer (transformers' hybrid families) could not call them.
+        return KernelChoice(op, TORCH, "inside torch.compile: the kernels cannot be traced, the torch code can "
+                                       "(leave the hybrid layers uncompiled for the kernels)")
     return None
 
 
@@ -119,10 +124,10 @@ def _missing(op: str, dist: str, kernel: str) -> KernelChoice:
 
 
 def choose_gated_delta(device_type: str, dtype: torch.dtype, k_dim: int, v_dim: int,
-                       kernels=None) -> KernelChoice:
+                       kernels=None, compiling: bool = False) -> KernelChoice:
     """The gated delta rule: fla's chunked kernel, or the torch code."""
     op = "gated delta rule"
-    if (refused := _not_here(op, device_type)) is not None:
+    if (refused := _not_here(op, device_type, compiling)) is not None:
         return refused
     kernels = _IMPORTABLE if kernels is None else kernels
     if "fla.chunk_gated_delta_rule" not in kernels:
@@ -135,10 +140,10 @@ def choose_gated_delta(device_type: str, dtype: torch.dtype, k_dim: int, v_dim: 
 
 
 def choose_conv(device_type: str, dtype: torch.dtype, channels: int, width: int,
-                kernels=None) -> KernelChoice:
+                kernels=None, compiling: bool = False) -> KernelChoice:
     """The short causal convolution: causal-conv1d (CUDA C++), else fla's (Triton), else torch."""
     op = "causal conv"
-    if (refused := _not_here(op, device_type)) is not None:
+    if (refused := _not_here(op, device_type, compiling)) is not None:
         return refused
     kernels = _IMPORTABLE if kernels is None else kernels
     if dtype not in _FLOAT:
@@ -154,10 +159,10 @@ def choose_conv(device_type: str, dtype: torch.dtype, channels: int, width: int,
     return KernelChoice(op, TORCH, f"{skipped}, fla-core not importable; pip install causal-conv1d or fla-core")
 
 
-def choose_ssd(device_type: str, dtype: torch.dtype, kernels=None) -> KernelChoice:
+def choose_ssd(device_type: str, dtype: torch.dtype, kernels=None, compiling: bool = False) -> KernelChoice:
     """The Mamba-2 scan: mamba-ssm's chunked kernel, or the torch code."""
     op = "Mamba-2 scan"
-    if (refused := _not_here(op, device_type)) is not None:
+    if (refused := _not_here(op, device_type, compiling)) is not None:
         return refused
     kernels = _IMPORTABLE if kernels is None else kernels
     if "mamba_chunk_scan_combined" not in kernels:
@@ -169,10 +174,10 @@ def choose_ssd(device_type: str, dtype: torch.dtype, kernels=None) -> KernelChoi
 
 
 def choose_selective_scan(device_type: str, dtype: torch.dtype, state: int, documents: bool,
-                          kernels=None) -> KernelChoice:
+                          kernels=None, compiling: bool = False) -> KernelChoice:
     """The Mamba selective scan: mamba-ssm's kernel for one document per row, else torch."""
     op = "selective scan"
-    if (refused := _not_here(op, device_type)) is not None:
+    if (refused := _not_here(op, device_type, compiling)) is not None:
         return refused
     kernels = _IMPORTABLE if kernels is None else kernels
     if "selective_scan_fn" not in kernels:
