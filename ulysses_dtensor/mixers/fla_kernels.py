@@ -18,7 +18,8 @@ Their conventions, read in fla-core 0.6.0 (``fla/ops/gated_delta_rule/chunk.py``
   batch and shared by every layer (fla caches its chunk indices by that tensor's identity).
 
 ``tests/test_mixer_kernels.py`` checks every keyword passed here against the installed
-functions' signatures (CPU), and the results against the torch code (GPU).
+functions' signatures (CPU); ``tests/test_mixer_kernels_gpu.py`` the results against the
+torch code (GPU).
 """
 
 from __future__ import annotations
