@@ -6,6 +6,9 @@ import pytest
 # Spawned ranks import test modules by name; make `tests/` importable there too.
 sys.path.insert(0, os.path.dirname(__file__))
 
+# fla-core (test extra) must not take transformers' CPU reference models off their torch path.
+import transformers_torch_paths  # noqa: E402, F401
+
 # Inductor compiles in the process that asks (no pool of compile workers per
 # rank): several ranks each spawning workers on a 2-core machine only contend.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

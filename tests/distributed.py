@@ -163,6 +163,10 @@ def _reset_between_tasks() -> None:
 
 
 def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None:
+    # Before any task imports a transformers model: fla-core must not take its CPU paths.
+    # (Python 3.11's forkserver ignores the parent's sys.path: tests/ is importable only here.)
+    import transformers_torch_paths  # noqa: F401
+
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     dist.init_process_group(

@@ -65,6 +65,15 @@ TESTS = {
         "test_gated_delta_restarts_equal_each_document_alone",
         "test_other_hybrids_are_refused_by_class_and_layer_type",
     ],
+    "test_mixer_kernels.py": [
+        "test_decision_table",
+        "test_inside_torch_compile_the_torch_code_runs",
+        "test_banner_says_what_runs_and_why",
+        "test_mixers_of_a_model_name_their_ops",
+        "test_on_cpu_no_kernel_package_is_imported",
+        "test_kernel_paths_compute_what_the_torch_path_computes",
+        "test_cu_seqlens_are_built_once_per_batch",
+    ],
     "test_hf_checkpoint.py": [
         "test_hf_config_errors_name_the_value_and_what_is_supported",
         "test_library_imports_without_the_hf_extra",
@@ -125,11 +134,12 @@ THROUGH = {
     "ulysses_dtensor.integrations.hf.mixers.gated_delta_net":
         "test_hf_linear_attention.py::test_gated_delta_restarts_equal_each_document_alone",
     "ulysses_dtensor.integrations.hf.mixers.mamba": "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
-    "ulysses_dtensor.integrations.hf.mixers.layer_types": "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
     "ulysses_dtensor.integrations.hf.mixers.short_conv":
         "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
     "ulysses_dtensor.integrations.hf.mixers.style":
         "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",
+    "ulysses_dtensor.mixers.mamba_kernels":
+        "test_mixer_kernels.py::test_kernel_paths_compute_what_the_torch_path_computes",
     "ulysses_dtensor.integrations.hf.moe": "test_hf_memory.py::test_usp_ring_matches_unsharded_for_causal_families",
     "ulysses_dtensor.integrations.hf.positions": "test_hf_memory.py::test_usp_ring_matches_unsharded_for_causal_families",
     "ulysses_dtensor.parallel.comm_timing": "test_ring.py::test_trainer_losses_mesh_independent_with_ring",

@@ -183,7 +183,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"(tokenizer {tokenizer.vocab_size})\n"
         f"  attention: {_attention_banner(cfg, vocab_size, device)}\n"
         f"  implementation {_implementation_banner(cfg)}\n"
-        + _family_banner(model) +
+        + _family_banner(model) + _mixer_banner(model, device, cfg) +
         f"{_lora_banner(cfg, model, trained, n_params)}"
         f"  {data.banner(schedule, loader.source_tokens())}\n  {data.packing_banner()}\n  {data.loading_banner()}\n"
         f"{rope_banner(schedule, ropes) if ropes else '  rope: config.json of model.hf_path, every stage'}\n"
@@ -348,6 +348,19 @@ def _family_banner(model) -> str:
     or not checked: model.allow_untested); nothing for this package's Llama."""
     status = getattr(model, "family_status", None)
     return f"  family {status.banner()}\n" if status is not None else ""
+
+
+def _mixer_banner(model, device: torch.device, cfg: JobConfig) -> str:
+    """What runs the token mixing of a hybrid model's mixers (GPU kernels or torch), and why;
+    nothing for models without such mixers."""
+    from ..integrations.hf.mixers.layer_types import mixer_ops
+    from ..mixers.kernel_choice import describe_mixer_kernels
+    from .build import _DTYPES
+
+    ops = mixer_ops(model)
+    if not ops:
+        return ""
+    return f"  mixers: {describe_mixer_kernels(ops, device, _DTYPES[cfg.training.mixed_precision_param])}\n"
 
 
 def _eval_banner(cfg: JobConfig, held_out) -> str:

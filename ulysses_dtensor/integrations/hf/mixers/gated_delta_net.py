@@ -22,12 +22,10 @@ way. Per layer, in :func:`_ulysses_forward`:
 4. one all-to-all brings the per-head output back to Shard(seq), where the
    gated RMSNorm (with the local ``z``) and the out projection run.
 
-Two all-to-alls per linear layer forward, two in backward. Without packed
-documents the convolution and recurrence are transformers' own functions from
-the model's module, so where transformers picks the causal-conv1d /
-flash-linear-attention kernels (CUDA, packages installed) they run here too
-(untested here: no such packages in CI); packed documents always run the torch
-versions of :mod:`~ulysses_dtensor.mixers.gated_delta`.
+Two all-to-alls per linear layer forward, two in backward. The convolution and the
+recurrence run on fla-core's / causal-conv1d's GPU kernels where they compute the same
+result (CUDA, 16-bit, packages installed), else on the torch code, both restarting at
+packed documents (:mod:`ulysses_dtensor.mixers.dispatch` decides and logs the choice).
 
 The other token mixers that run, and the checks that refuse the rest, are in
 :mod:`.layer_types`.
@@ -35,7 +33,6 @@ The other token mixers that run, and the checks that refuse the rest, are in
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,13 +41,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ulysses_dtensor.mixers.gated_delta import causal_conv_documents, chunk_gated_delta_rule_documents
-from ulysses_dtensor.parallel.documents import segment_ids
+from ulysses_dtensor.mixers.dispatch import causal_conv, gated_delta_rule
 from ulysses_dtensor.parallel.mesh import divisors
 from ulysses_dtensor.parallel.ulysses import _all_to_all, _heads_to_seq_local
 
 from ..attention_function import CallState, call_document_ids
-from .style import UlyssesMixerStyle
+from .style import UlyssesMixerStyle, conv_activation
 
 __all__ = ["GATED_DELTA_NETS", "LINEAR_LAYER_TYPE", "UlyssesGatedDeltaNet", "check_gated_delta_heads"]
 
@@ -196,12 +192,7 @@ def _ulysses_forward(
     mixed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
 
     documents = call_document_ids(kwargs, call)
-    segments = None if documents is None else segment_ids(documents)
-    own = sys.modules[type(module).__module__]  # transformers' functions (or the kernels it chose)
-    if segments is None:
-        mixed = own.causal_conv1d_fn(mixed.transpose(1, 2), weight, bias, activation=module.activation).transpose(1, 2)
-    else:
-        mixed = causal_conv_documents(mixed, weight, bias, segments, own.ACT2FN[module.activation])
+    mixed = causal_conv(mixed, weight, bias, documents, conv_activation(module))
     q, k, v = mixed.split(widths, dim=-1)
     q, k = (t.reshape(batch, -1, k_heads, k_dim) for t in (q, k))
     v = v.reshape(batch, -1, v_heads, v_dim)
@@ -209,12 +200,7 @@ def _ulysses_forward(
     heads = slice(rank * v_heads, (rank + 1) * v_heads)
     beta = b.sigmoid()
     g = -module.A_log[heads].float().exp() * F.softplus(a.float() + module.dt_bias[heads])
-    if segments is None:
-        out, _ = own.torch_chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True
-        )
-    else:
-        out = chunk_gated_delta_rule_documents(q, k, v, g, beta, segments)
+    out = gated_delta_rule(q, k, v, g, beta, documents)
     if sp > 1:
         out = _heads_to_seq_local(out, mesh)
 

@@ -32,7 +32,8 @@ from .gated_delta_net import GATED_DELTA_NETS, LINEAR_LAYER_TYPE, UlyssesGatedDe
 from .mamba import MAMBA2_MIXERS, MAMBA_MIXERS, UlyssesMamba, UlyssesMamba2, check_mamba, check_mamba2
 from .short_conv import SHORT_CONVS, UlyssesShortConv, check_short_conv
 
-__all__ = ["MIXERS", "TokenMixer", "check_layer_types", "has_token_mixers", "mixer_of", "token_mixer_modules"]
+__all__ = ["MIXERS", "TokenMixer", "check_layer_types", "has_token_mixers", "mixer_of", "mixer_ops",
+           "token_mixer_modules"]
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,15 @@ class TokenMixer:
     classes: frozenset
     style: Callable  # (model_name, call) -> ParallelStyle, applied on the sp mesh
     check: Callable  # (model_name, module, sp) -> None, or ValueError naming the valid sp
+    ops: frozenset  # the ops of ulysses_dtensor.mixers.dispatch it runs (names of describe_mixer_kernels)
 
 
 MIXERS = (
-    TokenMixer("gated delta-net", frozenset(GATED_DELTA_NETS), UlyssesGatedDeltaNet, check_gated_delta_heads),
-    TokenMixer("Mamba-2", MAMBA2_MIXERS, UlyssesMamba2, check_mamba2),
-    TokenMixer("Mamba", MAMBA_MIXERS, UlyssesMamba, check_mamba),
-    TokenMixer("short convolution", SHORT_CONVS, UlyssesShortConv, check_short_conv),
+    TokenMixer("gated delta-net", frozenset(GATED_DELTA_NETS), UlyssesGatedDeltaNet, check_gated_delta_heads,
+               frozenset({"conv", "gated_delta"})),
+    TokenMixer("Mamba-2", MAMBA2_MIXERS, UlyssesMamba2, check_mamba2, frozenset({"conv", "ssd"})),
+    TokenMixer("Mamba", MAMBA_MIXERS, UlyssesMamba, check_mamba, frozenset({"conv", "selective"})),
+    TokenMixer("short convolution", SHORT_CONVS, UlyssesShortConv, check_short_conv, frozenset({"conv"})),
 )
 _SUPPORTED = frozenset().union(*(m.classes for m in MIXERS))
 # Layer types backed by a mixer above (each such layer must hold one), and layer types
@@ -64,6 +67,12 @@ def has_token_mixers(model: nn.Module) -> bool:
     """Whether ``model`` has mixers of :data:`MIXERS` (their attention layers, if any,
     still go through transformers' attention registry)."""
     return any(mixer_of(m) is not None for m in model.modules())
+
+
+def mixer_ops(model: nn.Module) -> frozenset[str]:
+    """The token-mixing ops the mixers of ``model`` run (empty without such mixers), for
+    :func:`~ulysses_dtensor.mixers.kernel_choice.describe_mixer_kernels`."""
+    return frozenset().union(*(m.ops for m in map(mixer_of, model.modules()) if m is not None))
 
 
 def _conv_owners(module: nn.Module) -> list[str]:

@@ -12,21 +12,19 @@ Zamba2) and Jamba's Mamba mixers mix tokens per head (Mamba-2) or per channel
    heads) or of ``channels/sp`` channels (Mamba);
 3. the short causal convolution (this rank's rows of its weight) and the scan
    (this rank's ``A``, ``D``, ``dt`` bias) run over the whole sequence; with
-   packed documents both restart at every document start
-   (:mod:`~ulysses_dtensor.mixers.gated_delta`, :mod:`~ulysses_dtensor.mixers.ssm_scan`), as if each document ran alone.
+   packed documents both restart at every document start, as if each document ran
+   alone (:mod:`ulysses_dtensor.mixers.dispatch`: causal-conv1d's / fla-core's and
+   mamba-ssm's GPU kernels where they compute the same result, else the torch code).
    Mamba's B, C and dt come from every channel (``x_proj``): each rank projects
    its channels and one all-reduce of ``(batch, seq, dt_rank + 2 state)`` sums
    them (autograd: the same all-reduce in backward);
 4. one all-to-all brings the output back to Shard(seq), where the gate, the
    gated norm and the out projection run on the local slice.
 
-The scans are this package's torch code (transformers' CUDA kernels, where
-installed, are not used under SP).
+The kernels are called directly (transformers' own kernel paths are not used under SP).
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -34,14 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ulysses_dtensor.mixers.gated_delta import causal_conv_documents
-from ulysses_dtensor.mixers.ssm_scan import selective_scan_documents, ssd_documents
-from ulysses_dtensor.parallel.documents import segment_ids
+from ulysses_dtensor.mixers.dispatch import causal_conv, selective_scan, ssd_scan
 from ulysses_dtensor.parallel.mesh import divisors
 from ulysses_dtensor.parallel.ulysses import _heads_to_seq_local, _seq_to_heads_local
 
 from ..attention_function import CallState, call_document_ids
-from .style import UlyssesMixerStyle
+from .style import UlyssesMixerStyle, conv_activation
 
 __all__ = ["MAMBA2_MIXERS", "MAMBA_MIXERS", "UlyssesMamba", "UlyssesMamba2", "check_mamba", "check_mamba2"]
 
@@ -89,18 +85,6 @@ def _refuse_inputs(model_name: str, kind: str, attention_mask, kwargs) -> None:
                              "under Ulysses SP; use shard_hf_batch's document ids")
 
 
-def _segments(kwargs: dict, call: CallState | None, batch: int, seq: int, device) -> Tensor:
-    """Per-row document numbers of the whole sequence (all zero: one document per row)."""
-    documents = call_document_ids(kwargs, call)
-    if documents is None:
-        return torch.zeros(batch, seq, dtype=torch.long, device=device)
-    return segment_ids(documents)
-
-
-def _activation(module: nn.Module, name: str):
-    return sys.modules[type(module).__module__].ACT2FN[name]
-
-
 # ---------------------------------------------------------------------------
 # Mamba-2
 # ---------------------------------------------------------------------------
@@ -140,20 +124,18 @@ def _mamba2_forward(module: nn.Module, mesh: DeviceMesh, model_name: str, call: 
     weight = torch.cat([weight.narrow(0, s, w) for s, w in zip(starts, widths)])
     if bias is not None:
         bias = torch.cat([bias.narrow(0, s, w) for s, w in zip(starts, widths)])
-    segments = _segments(kwargs, call, batch, x.shape[1], x.device)
+    documents = call_document_ids(kwargs, call)
     mixed = torch.cat([x.flatten(2), b.flatten(2), c.flatten(2)], dim=-1)
-    mixed = causal_conv_documents(mixed, weight, bias, segments, _activation(module, module.activation))
+    mixed = causal_conv(mixed, weight, bias, documents, conv_activation(module))
     x, b, c = mixed.split(widths, dim=-1)
     x = x.reshape(batch, -1, local_heads, head_dim)
-    per_group = local_heads // local_groups
-    b, c = (t.reshape(batch, -1, local_groups, state).repeat_interleave(per_group, dim=2) for t in (b, c))
+    b, c = (t.reshape(batch, -1, local_groups, state) for t in (b, c))
 
     mine = slice(rank * local_heads, (rank + 1) * local_heads)
     low, high = module.time_step_limit
     dt = F.softplus(dt + module.dt_bias[mine].to(dt.dtype)).clamp(min=low, max=high)
     A = -torch.exp(module.A_log[mine].float())
-    y = ssd_documents(x, dt, A, b, c, segments, module.chunk_size)
-    y = (y + x.float() * module.D[mine].float()[:, None]).to(dtype)
+    y = ssd_scan(x, dt, A, b, c, module.chunk_size, module.D[mine], documents)
     if sp > 1:
         y = _heads_to_seq_local(y, mesh)
     y = y.reshape(batch, seq, inner)
@@ -187,9 +169,8 @@ def _mamba_forward(module: nn.Module, mesh: DeviceMesh, model_name: str, call: C
     """The Mamba mixer's forward on this rank's slice ``(B, s, hidden)``."""
     _refuse_inputs(model_name, "Mamba", attention_mask, {**kwargs, "cache": cache})
     sp, rank = mesh.size(), mesh.get_local_rank()
-    batch, seq, _ = hidden_states.shape
     dtype = hidden_states.dtype
-    inner, rank_dim, state = module.intermediate_size, module.time_step_rank, module.ssm_state_size
+    rank_dim, state = module.time_step_rank, module.ssm_state_size
 
     x, gate = module.in_proj(hidden_states).chunk(2, dim=-1)
     if sp > 1:
@@ -197,20 +178,18 @@ def _mamba_forward(module: nn.Module, mesh: DeviceMesh, model_name: str, call: C
         x = x.squeeze(-1)
     width = x.shape[-1]
     mine = slice(rank * width, (rank + 1) * width)
-    segments = _segments(kwargs, call, batch, x.shape[1], x.device)
+    documents = call_document_ids(kwargs, call)
     bias = None if module.conv1d.bias is None else module.conv1d.bias[mine]
-    x = causal_conv_documents(x, module.conv1d.weight.squeeze(1)[mine], bias, segments,
-                              _activation(module, module.activation))
+    x = causal_conv(x, module.conv1d.weight.squeeze(1)[mine], bias, documents, conv_activation(module))
     # dt, B, C project every channel: this rank's share, summed over the ranks.
     projected = F.linear(x, module.x_proj.weight[:, mine])
     if sp > 1:
         projected = _AllReduceSum.apply(projected, mesh.get_group())
     dt, b, c = projected.split([rank_dim, state, state], dim=-1)
     dt, b, c = module.dt_layernorm(dt), module.b_layernorm(b), module.c_layernorm(c)
-    dt = F.linear(dt, module.dt_proj.weight[mine]).float() + module.dt_proj.bias[mine].float()
     A = -torch.exp(module.A_log[mine].float())
-    y = selective_scan_documents(x, F.softplus(dt), A, b, c, segments)
-    y = (y + x.float() * module.D[mine].float()).to(dtype)
+    y = selective_scan(x, F.linear(dt, module.dt_proj.weight[mine]), module.dt_proj.bias[mine], A, b, c,
+                       module.D[mine], documents)
     if sp > 1:
         y = _heads_to_seq_local(y.unsqueeze(-1), mesh).squeeze(-1)
     return module.out_proj((y * F.silu(gate)).to(dtype))

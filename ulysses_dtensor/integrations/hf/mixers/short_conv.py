@@ -6,8 +6,8 @@ result with ``C``. Per layer: the projection runs on this rank's slice; one
 all-to-all moves ``B * x`` to Shard(channels) (the whole sequence of
 ``hidden/sp`` channels); the convolution (this rank's rows of its weight)
 runs over it, restarting at every packed document's start
-(:func:`~.gated_delta.causal_conv_documents`); one all-to-all brings it back for
-the ``C`` gate and the out projection.
+(:func:`ulysses_dtensor.mixers.dispatch.causal_conv`: a GPU kernel or the torch code);
+one all-to-all brings it back for the ``C`` gate and the out projection.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ulysses_dtensor.mixers.gated_delta import causal_conv_documents
+from ulysses_dtensor.mixers.dispatch import causal_conv
 from ulysses_dtensor.parallel.mesh import divisors
 from ulysses_dtensor.parallel.ulysses import _heads_to_seq_local, _seq_to_heads_local
 
-from ..attention_function import CallState
-from .mamba import _refuse_inputs, _segments
+from ..attention_function import CallState, call_document_ids
+from .mamba import _refuse_inputs
 from .style import UlyssesMixerStyle
 
 __all__ = ["SHORT_CONVS", "UlyssesShortConv", "check_short_conv"]
@@ -40,7 +40,6 @@ def _short_conv_forward(module: nn.Module, mesh: DeviceMesh, model_name: str, ca
                         hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
     _refuse_inputs(model_name, "short convolution", attention_mask, kwargs)
     sp, rank = mesh.size(), mesh.get_local_rank()
-    batch = hidden_states.shape[0]
     b, c, x = module.in_proj(hidden_states).chunk(3, dim=-1)
     bx = b * x
     if sp > 1:
@@ -49,8 +48,7 @@ def _short_conv_forward(module: nn.Module, mesh: DeviceMesh, model_name: str, ca
     width = bx.shape[-1]
     mine = slice(rank * width, (rank + 1) * width)
     bias = None if module.conv.bias is None else module.conv.bias[mine]
-    segments = _segments(kwargs, call, batch, bx.shape[1], bx.device)
-    y = causal_conv_documents(bx, module.conv.weight.squeeze(1)[mine], bias, segments)
+    y = causal_conv(bx, module.conv.weight.squeeze(1)[mine], bias, call_document_ids(kwargs, call))
     if sp > 1:
         y = _heads_to_seq_local(y.unsqueeze(-1), mesh).squeeze(-1)
     return module.out_proj((c * y).contiguous())

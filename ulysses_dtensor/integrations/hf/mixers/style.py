@@ -1,17 +1,29 @@
 """The ParallelStyle shared by the token mixers that are not attention (gated delta-nets,
 Mamba, Mamba-2, short convolutions): check the mesh, the module's class and its head /
-channel counts, then give the module an exchanging forward of its own."""
+channel counts, then give the module an exchanging forward of its own. Also the
+activation of their convolutions (:func:`conv_activation`)."""
 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ulysses_dtensor.mixers.kernel_choice import FUSED_ACTIVATIONS
+
 from ..attention_function import CallState
+
+
+def conv_activation(module: nn.Module) -> str | Callable | None:
+    """The activation after a mixer's convolution (``module.activation``, a transformers
+    name): the name where the convolution kernels apply it themselves, else transformers'
+    function of that name (from the module's own modeling module)."""
+    name = module.activation
+    return name if name in FUSED_ACTIVATIONS else sys.modules[type(module).__module__].ACT2FN[name]
 
 
 class UlyssesMixerStyle(ParallelStyle):
