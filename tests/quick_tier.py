@@ -29,6 +29,7 @@ WHOLE_FILES = {
     "test_hf_rope.py",
     "test_layout.py",
     "test_quick_tier.py",
+    "test_regions.py",
     "test_llama.py",
     "test_memory_features.py",
     "test_norm.py",
