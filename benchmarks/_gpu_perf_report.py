@@ -254,11 +254,15 @@ def report(out: Path, budget_s: float | None = None) -> int:
     if plan and check:
         gib = 2**30
         L += ["### Planner check: planned vs measured peak at the 1-GPU planned maximum", "",
-              f"4-layer Qwen3-8B-sized model (no q/k norms), full AC + tiled loss, one GPU, "
+              ("tiny 4-layer model on the CPU" if tiny else "4-layer Qwen3-8B-sized model (no q/k norms)")
+              + f", full AC + tiled loss, one {'process' if tiny else 'GPU'}, attention `{check['attention']}`, "
               f"budget {plan['budget_gib']} GiB - {plan['headroom_gib']} GiB headroom: planned maximum "
               f"{plan['max_seq_len']:,} tokens (search {plan['seconds']} s, {len(plan['tried'])} plans). "
               f"Planned {plan['peak_bytes'] / gib:.2f} GiB, measured {check['measured_bytes'] / gib:.2f} GiB "
-              f"({check['method']}): measured / planned = {check['ratio']:.3f}; one step {check['step_s']} s.", ""]
+              f"({check['method']}): measured / planned = {check['ratio']:.3f}; one step {check['step_s']} s"
+              + (f"; OUT OF MEMORY at the planned maximum: {check['oom']}" if check.get("oom") else "")
+              + (f"; allocator reserved {check['reserved_bytes'] / gib:.2f} GiB" if check.get("reserved_bytes")
+                 else "") + ".", ""]
     elif plan:
         L += [f"### Planner check: planned maximum {plan['max_seq_len']:,} tokens; no measured step", ""]
     block = "\n".join(L)

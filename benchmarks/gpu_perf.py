@@ -254,9 +254,9 @@ def piece_shape(args) -> int:
                 print(f"gpu_perf: {args.shape}: save_attention skipped: {B.NO_SAVE_ATTENTION}", file=sys.stderr)
                 continue
             left = deadline - time.monotonic()
-            if first_cost is not None and left < 1.3 * first_cost:
+            if first_cost is not None and left < first_cost:
                 append(out, {"kit": tag, "skipped": f"not enough time left in this piece ({left:.0f} s; "
-                                                    f"one kernel at {layers} layer(s) took {first_cost:.0f} s)"})
+                                                    f"one kernel at {layers} layer(s): about {first_cost:.0f} s)"})
                 continue
             t0 = time.monotonic()
             try:
@@ -272,8 +272,9 @@ def piece_shape(args) -> int:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             spent = time.monotonic() - t0
-            if first_cost is None:  # the fit's cost per layer count, as the estimate of one more kernel
-                first_cost = spent / len(layers) * (1.0 if len(layers) == 1 else 1.2)
+            if first_cost is None:  # one more kernel at the fit's first layer count, from the fit's cost
+                # (the fixed part of a run -- build, embedding, head, optimizer -- counted as one layer)
+                first_cost = 1.3 * spent * (layers[0] + 1) / (sum(layers) + len(layers))
             print(f"gpu_perf: {args.shape} {kernel} {tag['ac']} layers {layers}: {spent:.1f} s", file=sys.stderr)
     finally:
         dist.destroy_process_group()
@@ -380,10 +381,11 @@ def piece_plan_check(args) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import _common as C
+    from ulysses_dtensor.attention.select import resolve_backend
     from ulysses_dtensor.data import build_tokenizer
     from ulysses_dtensor.parallel.loss import count_valid_tokens
     from ulysses_dtensor.trainer.build import build_model, resolve_vocab_size
-    from ulysses_dtensor.trainer.config import validate_config
+    from ulysses_dtensor.trainer.config import model_args, validate_config
     from ulysses_dtensor.trainer.step import build_optimizer, train_step
 
     plan = json.loads((args.out / "plan.json").read_text())
@@ -400,6 +402,9 @@ def piece_plan_check(args) -> int:
         dims = validate_config(cfg, 1, weights=False)
         pmesh = dims.build_mesh(device.type)
         vocab = resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
+        attention = f"{cfg.model.attn_backend} -> " + resolve_backend(
+            cfg.model.attn_backend, frozenset(), device, getattr(torch, cfg.training.mixed_precision_param),
+            model_args(cfg, vocab).head_dim)
         model = build_model(cfg, pmesh, vocab, device)
         optimizer = build_optimizer(cfg, model)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -414,11 +419,15 @@ def piece_plan_check(args) -> int:
                  "position_ids": torch.arange(seq).unsqueeze(0).to(device), "document_ids": None}
         n_valid = count_valid_tokens(batch["labels"], pmesh.loss)
         t0 = time.perf_counter()
+        oom = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            train_step(model, optimizer, batch, n_valid, max_norm=cfg.training.max_norm)
-            torch.cuda.synchronize(device)
+            try:
+                train_step(model, optimizer, batch, n_valid, max_norm=cfg.training.max_norm)
+                torch.cuda.synchronize(device)
+            except torch.OutOfMemoryError as e:  # a finding: the plan promised this would fit
+                oom = first_line(e)
             measured = torch.cuda.max_memory_allocated(device)
             reserved = torch.cuda.max_memory_reserved(device)
             method = "torch.cuda.max_memory_allocated over one step (optimizer state created before it)"
@@ -436,11 +445,12 @@ def piece_plan_check(args) -> int:
         dist.destroy_process_group()
     result = {"seq_len": seq, "planned_bytes": plan["peak_bytes"], "measured_bytes": measured,
               "reserved_bytes": reserved, "ratio": round(measured / plan["peak_bytes"], 4),
-              "method": method, "step_s": round(step_s, 2), "attention": cfg.model.attn_backend,
-              "plan_seconds": plan["seconds"], "plan_budget_gib": plan["budget_gib"]}
+              "method": method, "step_s": round(step_s, 2), "attention": attention,
+              "plan_seconds": plan["seconds"], "plan_budget_gib": plan["budget_gib"],
+              **({"oom": oom, "note": "measured_bytes: the peak before running out of memory"} if oom else {})}
     dump(args.out / "plan_check.json", result)
     print(json.dumps(result))
-    return 0
+    return 1 if oom else 0
 
 
 # --------------------------------------------------------------------------- #

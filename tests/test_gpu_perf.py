@@ -126,3 +126,84 @@ def test_the_results_block_has_every_section(kit):
                    "Layer fit (auto, full AC)", "### Targets", "### Where a step goes", "| **step** |",
                    "### Planner check", "save_attention", "400 GB/s", "300 GB/s"):
         assert needle in block, needle
+
+
+class _Span:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def elapsed_us(self):
+        return self.end - self.start
+
+
+class _Events:
+    """Profiler events as torch's FunctionEvent shows them (what region_table reads)."""
+
+    def __init__(self):
+        self.all = []
+
+    def op(self, name, start, end, parent=None, *, thread=1, seq=-1, fwd_thread=None, kernels=(), annotation=False):
+        from types import SimpleNamespace
+
+        e = SimpleNamespace(name=name, device_type=SimpleNamespace(name="CPU"), is_async=False, thread=thread,
+                            fwd_thread=thread if fwd_thread is None else fwd_thread, sequence_nr=seq,
+                            time_range=_Span(start, end), cpu_parent=parent, cpu_children=[],
+                            is_user_annotation=annotation,
+                            kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels])
+        if parent is not None:
+            parent.cpu_children.append(e)
+        e.self_cpu_time_total = end - start
+        self.all.append(e)
+        return e
+
+    def device(self, name, start, end, annotation=False):
+        from types import SimpleNamespace
+
+        self.all.append(SimpleNamespace(name=name, device_type=SimpleNamespace(name="CUDA"), is_async=False,
+                                        time_range=_Span(start, end), is_user_annotation=annotation,
+                                        cpu_parent=None, cpu_children=[], kernels=[], sequence_nr=-1))
+
+
+def test_device_time_goes_to_forward_recompute_and_backward_rows_once():
+    # The CUDA path of region_table, which the CPU smoke run never takes, on a hand-made profile:
+    # forward on thread 1, autograd's engine on thread 2, a checkpoint recompute inside a backward node.
+    table_mod = load_script(REPO / "benchmarks" / "_region_table.py")
+    ev = _Events()
+    fwd = ev.op("ud.step.forward", 0, 100, annotation=True)
+    att = ev.op("ud.attention", 10, 30, fwd, annotation=True, kernels=[("ud.attention", 60)])  # its own GPU span
+    ev.op("aten::_flash_attention_forward", 12, 20, att, seq=5, kernels=[("flash_fwd", 50)])
+    mlp = ev.op("ud.mlp", 40, 60, fwd, annotation=True)
+    ev.op("aten::mm", 41, 50, mlp, seq=6, kernels=[("gemm", 30)])
+    gather = ev.op("FSDP::all_gather_copy_in", 70, 80, fwd, annotation=True)
+    ev.op("aten::copy_", 71, 72, gather, kernels=[("copy", 5)])
+    out = ev.op("ud.offload.copy_out", 85, 90, fwd, annotation=True)
+    ev.op("aten::copy_", 86, 87, out, kernels=[("Memcpy DtoH", 20)])
+    clip = ev.op("ud.step.clip", 300, 320, annotation=True)
+    ev.op("cudaStreamSynchronize", 301, 304, clip)
+    node = ev.op(f"{table_mod.EVALUATE}FlashAttnBackward0", 200, 260, thread=2, seq=5, fwd_thread=1)
+    ev.op("aten::_flash_attention_backward", 201, 250, node, thread=2, kernels=[("flash_bwd", 100)])
+    ckpt = ev.op(f"{table_mod.EVALUATE}CheckpointFunctionBackward", 261, 290, thread=2, seq=9, fwd_thread=1)
+    rec = ev.op("ud.mlp.recompute", 262, 270, ckpt, thread=2, annotation=True)
+    ev.op("aten::mm", 263, 269, rec, thread=2, seq=7, kernels=[("gemm", 30)])
+    mm_bwd = ev.op(f"{table_mod.EVALUATE}MmBackward0", 271, 289, ckpt, thread=2, seq=7, fwd_thread=2)
+    ev.op("aten::mm", 272, 288, mm_bwd, thread=2, kernels=[("gemm", 60)])
+    lost = ev.op(f"{table_mod.EVALUATE}MmBackward0", 291, 295, thread=2, seq=99, fwd_thread=1)
+    ev.op("aten::mm", 292, 294, lost, thread=2, kernels=[("gemm", 10)])
+    for name, a, b in (("flash_fwd", 1000, 1050), ("gemm", 1100, 1130), ("copy", 1130, 1135),
+                       ("Memcpy DtoH", 1110, 1130), ("flash_bwd", 1200, 1300), ("gemm", 1300, 1330),
+                       ("gemm", 1330, 1390), ("gemm", 1390, 1400), ("unlinked kernel", 1400, 1407)):
+        ev.device(name, a, b)
+    ev.device("ud.attention", 1000, 1060, annotation=True)  # a gpu_user_annotation: no work of its own
+
+    table = table_mod.region_table(ev.all, 1000e-6, device=True)
+    rows, t = table["rows"], table["totals"]
+    assert (rows["attention"]["forward"], rows["attention"]["backward"]) == (0.05, 0.1)
+    assert (rows["mlp"]["forward"], rows["mlp"]["recompute"], rows["mlp"]["backward"]) == (0.03, 0.03, 0.06)
+    assert rows["fsdp gathers / reduces"]["forward"] == 0.005 and rows["offload copies"]["forward"] == 0.02
+    assert rows["other (no region)"]["backward"] == 0.01 and table["unmapped_backward"] == {"MmBackward0": 0.01}
+    assert rows["attention"]["calls"] == 1 and rows["mlp"]["calls"] == 2
+    assert t["work_ms"] == 0.312 and t["attributed_ms"] == 0.305 and t["unlinked_ms"] == 0.007
+    assert t["concurrent_ms"] == 0.02  # the copy ran beside the gemm
+    assert t["idle_ms"] == pytest.approx(1.0 - 0.292)
+    assert table_mod.rows_sum_ms(table) == pytest.approx(t["step_ms"])
+    assert table["host_syncs"] == {"cudaStreamSynchronize": {"count": 1, "host_ms": 0.003, "in": {"clip": 1}}}

@@ -10,9 +10,9 @@ runs a backward: forward code re-run by activation checkpointing in backward
 lands in its own rows. Backward kernels carry no region; a profile attributes
 them through autograd's sequence numbers to the forward op that made them.
 
-Cost: with no profiler running a region is one check of a module flag and a
-shared no-op context (measured in tests/test_regions.py: well under a
-microsecond). Inside ``torch.compile`` a region is a no-op context too (no
+Cost: with no profiler running a region is one check of a module flag (and, for
+``with region(...)``, a shared no-op context): 0.4-0.7 microseconds on a busy CPU
+(docs/benchmarks.md). Inside ``torch.compile`` a region is a no-op context too (no
 graph break, no guard on the profiler's state): compiled code shows up in a
 profile under the compiled graph's own names instead.
 """
@@ -24,6 +24,7 @@ import functools
 
 import torch
 from torch.autograd import profiler as _profiler
+from torch.compiler import is_compiling
 
 __all__ = ["PREFIX", "RECOMPUTE_SUFFIX", "REGIONS", "in_region", "region", "split_region_name"]
 
@@ -67,19 +68,23 @@ class _NoRegion:
 _NO_REGION = _NoRegion()
 
 
+def _recorded(name: str):
+    if torch._C._current_graph_task_id() != -1:  # inside a backward: recomputed forward code
+        return _profiler.record_function(PREFIX + name + RECOMPUTE_SUFFIX)
+    return _profiler.record_function(PREFIX + name)
+
+
 def region(name: str):
     """A context manager marking ``name`` (a key of :data:`REGIONS`) for the profiler.
 
     A no-op unless a profiler is recording; inside ``torch.compile`` always a no-op.
     """
-    if torch.compiler.is_compiling():
+    if is_compiling():
         # Checked first, so that dynamo never reads (and guards on) the profiler flag.
         return contextlib.nullcontext()
     if not _profiler._is_profiler_enabled:
         return _NO_REGION
-    if torch._C._current_graph_task_id() != -1:  # inside a backward: recomputed forward code
-        return _profiler.record_function(PREFIX + name + RECOMPUTE_SUFFIX)
-    return _profiler.record_function(PREFIX + name)
+    return _recorded(name)
 
 
 def in_region(name: str):
@@ -88,7 +93,9 @@ def in_region(name: str):
     def wrap(fn):
         @functools.wraps(fn)
         def marked(*args, **kwargs):
-            with region(name):
+            if is_compiling() or not _profiler._is_profiler_enabled:  # no context to enter: cheaper
+                return fn(*args, **kwargs)
+            with _recorded(name):
                 return fn(*args, **kwargs)
 
         return marked
