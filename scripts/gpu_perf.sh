@@ -14,18 +14,20 @@
 #   shape_qwen     Qwen3-8B-shaped, 128K tokens per GPU (1M on 8), likewise
 #   plan_check     one real step at the planned maximum: planned vs measured peak
 #   report         figures at full depth, targets, the breakdown, OUT_DIR/RESULTS_block.md
-# Everything ends up in OUT_DIR/gpu_perf.tar.gz (a lease brings back at most 8 files); the
-# report is printed last. Without a GPU (no `nvidia-smi -L`, CUDA_VISIBLE_DEVICES empty, or
+# Everything ends up in OUT_DIR/gpu_perf.tar.gz (a lease brings back at most 8 files), beside
+# the report (report.txt, RESULTS_block.md, summary.json), which is printed last. Without a GPU (no `nvidia-smi -L`, CUDA_VISIBLE_DEVICES empty, or
 # GPU_PERF_TINY=1) every piece runs at tiny sizes on the CPU, the three middle ones side by
 # side: the smoke run tests/test_gpu_perf.py makes.
 #
 # GPU_PERF_BUDGET_S (default 350) bounds the whole run; GPU_PERF_LIMITS overrides piece
 # limits ("shape_qwen=120 plan=150"). GPU_PERF_WHEELS (default shared/wheels): a folder of
 # wheels (e.g. fla-core) installed first with pip --no-index into a private folder, when there
-# are any. PYTHON picks the interpreter.
+# are any. GPU_PERF_KEEP=1 keeps the unpacked OUT_DIR/pieces. PYTHON picks the interpreter.
 set -uo pipefail
 [ $# -ge 1 ] || { sed -n 2,25p "$0"; exit 2; }
-out="$(mkdir -p "$1" && cd "$1" && pwd)"
+top="$(mkdir -p "$1" && cd "$1" && pwd)"
+out="$top/pieces"  # the pieces' files; packed and removed at the end (GPU_PERF_KEEP=1 keeps them)
+rm -rf "$out" "$top/gpu_perf.tar.gz" && mkdir -p "$out"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 py="${PYTHON:-python3}"
@@ -41,8 +43,14 @@ if [ "${GPU_PERF_TINY:-0}" = 1 ] || [ "${CUDA_VISIBLE_DEVICES-x}" = "" ] \
     for k in "${!limit[@]}"; do limit[$k]=300; done
 fi
 for kv in ${GPU_PERF_LIMITS:-}; do limit[${kv%%=*}]=${kv#*=}; done
-rm -f "$out/pieces.jsonl"
-trap '(cd "$out" && tar czf gpu_perf.tar.gz --exclude gpu_perf.tar.gz $(ls | grep -v "^gpu_perf.tar.gz$") 2>/dev/null)' EXIT
+# On exit, whatever happened: a lease brings back at most 8 files, so OUT_DIR keeps four:
+# the tarball of every piece's output and log, the report, its RESULTS.md block and summary.
+finish() {
+    tar czf "$top/gpu_perf.tar.gz" -C "$top" pieces
+    for f in RESULTS_block.md summary.json report.txt; do [ -f "$out/$f" ] && cp "$out/$f" "$top/"; done
+    [ "${GPU_PERF_KEEP:-0}" = 1 ] || rm -rf "$out"
+}
+trap finish EXIT
 
 # Optional: wheels carried with the working tree (fla-core for the hybrid layers' kernels).
 wheels="${GPU_PERF_WHEELS:-shared/wheels}"
@@ -90,4 +98,4 @@ fi
 wait "$plan_pid" 2>/dev/null  # the planner's limit bounds this wait
 run plan_check "${limit[plan_check]}" "${kit[@]}" plan_check --out "$out"
 "$py" benchmarks/gpu_perf.py report --out "$out" --budget-s "$budget" 2>"$out/report.log" | tee "$out/report.txt"
-echo "gpu_perf: done in $((SECONDS - start)) s; everything in $out/gpu_perf.tar.gz" >&2
+echo "gpu_perf: done in $((SECONDS - start)) s; everything in $top/gpu_perf.tar.gz" >&2

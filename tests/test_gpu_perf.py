@@ -35,13 +35,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory) -> Path:
+    """The pieces' files as a lease brings them back: unpacked from the tarball."""
     out = tmp_path_factory.mktemp("gpu_perf")
     env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_perf.sh"), str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "## " in proc.stdout and "gpu_perf: done in" in proc.stderr
-    return out
+    # What a lease brings back (at most 8 files): the tarball and the report beside it.
+    assert sorted(p.name for p in out.iterdir()) == ["RESULTS_block.md", "gpu_perf.tar.gz", "report.txt",
+                                                     "summary.json"]
+    with tarfile.open(out / "gpu_perf.tar.gz") as tar:
+        tar.extractall(out / "unpacked", filter="data")
+    return out / "unpacked" / "pieces"
 
 
 def _lines(path: Path) -> list[dict]:
@@ -56,10 +62,10 @@ def test_every_piece_ran_and_everything_is_in_the_tarball(kit):
     pieces = {p["piece"]: p for p in _lines(kit / "pieces.jsonl")}
     assert set(pieces) == {"env", "plan", "shape_llama", "profile_llama", "shape_qwen", "plan_check"}
     assert all(p["rc"] == 0 for p in pieces.values()), pieces
-    with tarfile.open(kit / "gpu_perf.tar.gz") as tar:
-        names = set(tar.getnames())
+    names = {p.name for p in kit.iterdir()}
     assert {"env.json", "shape_llama.jsonl", "shape_qwen.jsonl", "profile_llama.json", "plan.json",
             "plan_check.json", "summary.json", "RESULTS_block.md", "pieces.jsonl"} <= names
+    assert {f"{p}.log" for p in pieces} <= names  # each piece's own log
 
 
 def test_env_tries_every_backend(kit):
@@ -207,3 +213,17 @@ def test_device_time_goes_to_forward_recompute_and_backward_rows_once():
     assert t["idle_ms"] == pytest.approx(1.0 - 0.292)
     assert table_mod.rows_sum_ms(table) == pytest.approx(t["step_ms"])
     assert table["host_syncs"] == {"cudaStreamSynchronize": {"count": 1, "host_ms": 0.003, "in": {"clip": 1}}}
+
+
+def test_with_no_time_left_every_piece_is_skipped_and_the_report_still_comes(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "GPU_PERF_BUDGET_S": "1"}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_perf.sh"), str(tmp_path)], cwd=REPO,
+                          env={**env, "GPU_PERF_KEEP": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pieces = _lines(tmp_path / "pieces" / "pieces.jsonl")
+    assert {p["piece"] for p in pieces} == {"env", "plan", "shape_llama", "profile_llama", "shape_qwen", "plan_check"}
+    assert all(p["skipped"] == "no time left" for p in pieces)
+    block = (tmp_path / "RESULTS_block.md").read_text()
+    assert "### llama: no result" in block and "### qwen: no result" in block
+    with tarfile.open(tmp_path / "gpu_perf.tar.gz") as tar:
+        assert {"pieces/pieces.jsonl", "pieces/RESULTS_block.md", "pieces/summary.json"} <= set(tar.getnames())
