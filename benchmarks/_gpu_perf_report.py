@@ -224,7 +224,7 @@ def report(out: Path, budget_s: float | None = None) -> int:
              f"`{env.get('auto')}`; our `sdpa` dispatches to `{env.get('sdpa_kernel')}`.")
     refused = {k: v.get("error") for k, v in env.get("kernels", {}).items() if not v.get("runs")}
     if refused:
-        L.append("Did not run: " + "; ".join(f"`{k}`: {why}" for k, why in refused.items()) + ".")
+        L.append("Did not run: " + "; ".join(f"`{k}`: {(why or '').rstrip('.')}" for k, why in refused.items()) + ".")
     if env.get("env", {}).get("TORCH_CUDNN_SDPA_DEPRIORITIZED") or env.get("env", {}).get("LD_LIBRARY_PATH_cudnn"):
         L.append(f"Note, cuDNN may be hidden from SDPA here: {env['env']}.")
     L += ["", "Commands: `bash scripts/gpu_perf.sh OUT` (pieces: `python benchmarks/gpu_perf.py PIECE --out OUT`); "
