@@ -11,7 +11,7 @@ between GPU leases. Checked on its outputs:
 * the region table of a profiled step: its lines add up to the step; the ops'
   self times fit inside the step's wall time (each counted once) and cover most of
   it; attention shows forward, recompute and backward; the MLP is recomputed (full
-  AC); the backward is mapped to forward regions (almost nothing left unmapped);
+  AC); every backward node a forward op made is mapped to that op's region;
 * the planner check: the measured peak at the planned maximum is within 5 % of the plan;
 * the RESULTS.md block has every section.
 """
@@ -115,8 +115,10 @@ def test_the_region_table_adds_up_to_the_step_and_maps_the_backward(kit):
     assert rows["mlp"]["recompute"] > 0 and rows["projections q/k/v/o"]["backward"] > 0
     assert rows["optimizer"]["total"] > 0 and rows["clip"]["total"] > 0 and rows["norms"]["total"] > 0
     assert rows["loss (output head)"]["recompute"] > 0  # tiled loss: each chunk recomputed in backward
-    backward = sum(r["backward"] for r in rows.values())
-    assert sum(table["unmapped_backward"].values()) < 0.1 * backward
+    # Every backward node a forward op made maps to that op's region; left over are only the
+    # nodes no forward op makes: gradient accumulation into the parameters and FSDP's hook.
+    no_forward_op = {"torch::autograd::AccumulateGrad", "RegisterPostBackwardFunctionBackward"}
+    assert set(table["unmapped_backward"]) <= no_forward_op
 
 
 def test_planner_check_is_close(kit):
