@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import math
 import os
 import statistics
@@ -80,6 +81,11 @@ from ulysses_dtensor.runtime.process_group import finish_together  # noqa: E402
 from ulysses_dtensor.trainer.step import train_step  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Full AC that keeps the attention kernel's output and log-sum-exp (not recomputed),
+# where this version of parallelize_llama has it.
+SAVE_ATTENTION = "save_attention" in inspect.signature(parallelize_llama).parameters
+NO_SAVE_ATTENTION = "this version of parallelize_llama has no save_attention parameter"
 
 # Dense peak FLOP/s per device for the MFU denominator (bf16/fp16 tensor cores).
 PEAK_FLOPS_16BIT = (("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
@@ -177,6 +183,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiled-loss", action="store_true")
     p.add_argument("--loss-chunks", type=int)
     p.add_argument("--offload-activations", action="store_true", help="needs --ac full")
+    p.add_argument("--save-attention", action="store_true",
+                   help="with --ac full: keep the attention kernel's output and log-sum-exp instead of "
+                        "recomputing them (parallelize_llama(save_attention=True))")
     p.add_argument("--offload-params", action="store_true",
                    help="parameter shards, gradients and AdamW state in host memory (FSDP2 CPU offload)")
     p.add_argument("--attn-backend", help="LlamaArgs.attn_backend (default: auto = sdpa on CPU, "
@@ -222,6 +231,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--iters must be >= 1")
     if a.offload_activations and a.ac != "full":
         p.error("--offload-activations needs --ac full")
+    if a.save_attention and a.ac != "full":
+        p.error("--save-attention needs --ac full")
+    if a.save_attention and not SAVE_ATTENTION:
+        p.error(f"--save-attention: {NO_SAVE_ATTENTION}")
     if a.mode == "simulate" and a.world is None and len(a.sp) > 1:
         a.world = max(a.sp)
     if a.extrapolate_layers and len(set(a.layers or [])) < 2:
@@ -361,6 +374,7 @@ def build(a, args, pmesh, device: torch.device):
     with torch.device("meta"):
         model = Llama(args)
     selective = a.selective_ac if a.selective_ac == "op" else int(a.selective_ac)
+    extra = {"save_attention": True} if a.save_attention else {}
     model = parallelize_llama(
         model, pmesh,
         ac_mode=a.ac, selective_ac=selective,
@@ -371,6 +385,7 @@ def build(a, args, pmesh, device: torch.device):
         tiled_loss=a.tiled_loss, loss_chunks=a.loss_chunks,
         offload_activations=a.offload_activations,
         offload_params=a.offload_params,
+        **extra,
     )
     model.to_empty(device="cpu" if a.offload_params else device)
     model.init_weights(seed=a.seed)
@@ -548,6 +563,7 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
             "dtype": a.dtype, "reduce_dtype": a.reduce_dtype, "pack_qkv": a.pack_qkv,
             "tiled_mlp": a.tiled_mlp, "mlp_tiles": a.mlp_tiles, "tiled_loss": a.tiled_loss,
             "loss_chunks": a.loss_chunks, "offload_activations": a.offload_activations,
+            "save_attention": a.save_attention,
             "offload_params": a.offload_params,
             "optimizer": "AdamW", "max_norm": a.max_norm, "warmup": a.warmup, "iters": a.iters,
         },
@@ -594,12 +610,18 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
     return rec
 
 
-def _line_at(xs: list[int], ys: list[float], x: float) -> float:
-    """Least-squares line through (xs, ys), evaluated at x."""
+def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (xs, ys)."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((xi - mx) ** 2 for xi in xs)
     slope = sum((xi - mx) * (yi - my) for xi, yi in zip(xs, ys)) / sxx
-    return my + slope * (x - mx)
+    return my - slope * mx, slope
+
+
+def _line_at(xs: list[int], ys: list[float], x: float) -> float:
+    """Least-squares line through (xs, ys), evaluated at x."""
+    intercept, slope = _line(xs, ys)
+    return intercept + slope * x
 
 
 def extrapolate(a, dims, device, seq: int, runs: dict[int, dict], *, simulate: bool) -> dict:
@@ -625,10 +647,16 @@ def extrapolate(a, dims, device, seq: int, runs: dict[int, dict], *, simulate: b
         "memory": mem,
         "backend": runs[ls[0]]["backend"],
     }
+    step_ms = [statistics.median(runs[k]["times"]) * 1e3 for k in ls]
+    intercept, slope = _line(ls, step_ms)
     info = {
         "n_layers": n,
         "from_n_layers": ls,
-        "from_step_ms": [round(statistics.median(runs[k]["times"]) * 1e3, 4) for k in ls],
+        "from_step_ms": [round(t, 4) for t in step_ms],
+        # step_ms = intercept + slope * n_layers; residual: the largest distance of a measured
+        # step from the line (0 by construction with two layer counts).
+        "fit": {"intercept_ms": round(intercept, 4), "ms_per_layer": round(slope, 4),
+                "max_residual_ms": round(max(abs(t - intercept - slope * x) for x, t in zip(ls, step_ms)), 4)},
         "modelled": True,
         "method": "step time, memory and FSDP bytes/calls: least-squares line in n_layers through the "
                   "measured runs, evaluated at n_layers (blocks are identical, so per-block cost is "

@@ -30,6 +30,7 @@ WHOLE_FILES = {
     "test_kernel_table.py",
     "test_layout.py",
     "test_quick_tier.py",
+    "test_regions.py",
     "test_llama.py",
     "test_memory_features.py",
     "test_norm.py",

@@ -184,6 +184,10 @@ def test_simulate_extrapolated(records):
     # two points: the line through them, at 6 layers
     t2, t3 = (measured[n]["step_time"]["median_ms"] for n in (2, 3))
     assert rec["step_time"]["median_ms"] == pytest.approx(t2 + 4 * (t3 - t2), abs=1e-3)
+    fit = ex["fit"]  # the line itself: step = intercept + ms_per_layer x layers; no residual from 2 points
+    assert fit["ms_per_layer"] == pytest.approx(t3 - t2, abs=1e-3)
+    assert fit["intercept_ms"] + 6 * fit["ms_per_layer"] == pytest.approx(rec["step_time"]["median_ms"], abs=1e-3)
+    assert fit["max_residual_ms"] == pytest.approx(0, abs=1e-3)
     # all-to-all bytes: the exact formula at 6 layers; calls: 8 per layer
     assert rec["all_to_all"]["sent_bytes_per_rank"] == _expected_a2a(cfg, False)
     assert rec["all_to_all"]["bytes_match"] is None and rec["all_to_all"]["calls"] == 8 * 6
@@ -192,3 +196,19 @@ def test_simulate_extrapolated(records):
     assert rec["flops_per_token"] == model.flops_per_token(cfg["seq"])
     assert cfg["model"]["params"] == model.num_params()
     _check_modelled(rec)
+
+
+def test_save_attention_flag_needs_full_ac_and_a_parallelize_that_has_it(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_train
+
+    base = ["--mode", "simulate", "--quick"]
+    with pytest.raises(SystemExit):
+        bench_train.parse_args([*base, "--save-attention"])
+    assert "--save-attention needs --ac full" in capsys.readouterr().err
+    if bench_train.SAVE_ATTENTION:
+        assert bench_train.parse_args([*base, "--ac", "full", "--save-attention"]).save_attention
+    else:  # refused by name before anything is built
+        with pytest.raises(SystemExit):
+            bench_train.parse_args([*base, "--ac", "full", "--save-attention"])
+        assert bench_train.NO_SAVE_ATTENTION in capsys.readouterr().err

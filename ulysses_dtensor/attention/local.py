@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..parallel.documents import segment_ids
+from ..runtime.regions import in_region
 from .dense import cudnn_attention, sdpa_attention
 from .flex import flex_attention_backend
 from .packed import fa4_backend, flash_attn_backend, varlen_backend
@@ -42,6 +43,7 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None) 
             raise ValueError(f"document_ids must be an integer tensor; got {document_ids.dtype}")
 
 
+@in_region("attention")
 def local_attention(
     q: Tensor,
     k: Tensor,

@@ -27,6 +27,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from ..runtime.regions import in_region
+
 __all__ = ["HostOffloader", "OffloadedCheckpointBlock"]
 
 
@@ -57,6 +59,7 @@ class HostOffloader:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
+    @in_region("offload.copy_out")
     def offload(self, x: Tensor) -> int:
         """Start copying ``x`` to host memory; return a handle."""
         if self._slots and self.held == 0:
@@ -91,6 +94,7 @@ class HostOffloader:
         slot.pop("host", None)
         slot.pop("device_copy", None)
 
+    @in_region("offload.copy_in")
     def _start_fetch(self, handle: int) -> None:
         slot = self._slots[handle]
         if "device_copy" in slot or "host" not in slot:

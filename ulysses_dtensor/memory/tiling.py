@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..parallel.loss import IGNORE_INDEX
+from ..runtime.regions import in_region
 
 
 def auto_num_tiles(seq: int, width: int, hidden: int) -> int:
@@ -84,9 +85,14 @@ class TiledMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         n = self.num_tiles or auto_num_tiles(x.shape[1], self.ffn_dim, x.shape[-1])
-        return tiled_forward(self.mlp, x, n)
+        return tiled_forward(self._mlp, x, n)
+
+    @in_region("mlp")  # inside each tile's checkpoint: its recompute is marked too
+    def _mlp(self, x: Tensor) -> Tensor:
+        return self.mlp(x)
 
 
+@in_region("loss")  # inside each chunk's checkpoint: its recompute is marked too
 def _chunk_loss_sum(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
     logits = F.linear(hidden, weight).float()
     return F.cross_entropy(

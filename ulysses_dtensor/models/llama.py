@@ -40,6 +40,7 @@ from ..memory.tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entrop
 from ..parallel.loss import sp_cross_entropy
 from ..parallel.mesh import ring_degree
 from ..parallel.ring_layout import layout_position_ids
+from ..runtime.regions import in_region, region
 from ..runtime.suggest import unknown_name
 from .init import init_param
 from .norm import RMSNorm
@@ -216,15 +217,18 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        with region("proj.qkv"):
+            q = self.wq(x).view(b, s, -1, self.head_dim)
+            k = self.wk(x).view(b, s, -1, self.head_dim)
+            v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin, self.rope_layout)
-        k = apply_rope(k, cos, sin, self.rope_layout)
+        with region("rope"):
+            q = apply_rope(q, cos, sin, self.rope_layout)
+            k = apply_rope(k, cos, sin, self.rope_layout)
         out = self.inner(q, k, v, document_ids=document_ids)
-        return self.wo(out.reshape(b, s, -1))
+        with region("proj.o"):
+            return self.wo(out.reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -244,6 +248,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.num_tiles: int | None = 1
 
+    @in_region("mlp")  # inside each tile's checkpoint: its recompute is marked too
     def _swiglu(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
@@ -264,6 +269,7 @@ class OutputHead(nn.Linear):
 
     loss_chunks: int | None = 1
 
+    @in_region("loss")
     def forward(
         self, h: Tensor, labels: Tensor | None = None, num_valid_tokens: Tensor | int | None = None
     ) -> Tensor:
@@ -382,7 +388,8 @@ class Llama(nn.Module):
                 f"{tuple(input_ids.shape)} (both this rank's slice)"
             )
         cos, sin = self.rope_cos_sin(position_ids)
-        h = self.tok_embeddings(input_ids)
+        with region("embedding"):
+            h = self.tok_embeddings(input_ids)
         for layer in self.layers.values():
             h = layer(h, cos, sin, document_ids)
         return self.norm(h)

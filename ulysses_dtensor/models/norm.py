@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..parallel.tensor_parallel import sum_grad_over
+from ..runtime.regions import in_region
 
 __all__ = ["RMSNorm", "rms_norm"]
 
@@ -135,6 +136,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    @in_region("norm")
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, sum_grad_over(self.weight, self.sp_grad_group), self.eps)
 

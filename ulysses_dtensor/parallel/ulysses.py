@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ..runtime.regions import in_region
 from .comm_timing import active_timer, timed_all_to_all
 from .mesh import divisors
 
@@ -38,6 +39,7 @@ HEAD_KWARGS = ("sinks",)
 # ---------------------------------------------------------------------------
 
 
+@in_region("ulysses.all_to_all")
 def _all_to_all(x: Tensor, mesh: DeviceMesh) -> Tensor:
     # Input is laid out (P, ...): chunk i goes to rank i, chunk i of the result
     # came from rank i. The backward of this op is the reverse all-to-all.
@@ -47,6 +49,7 @@ def _all_to_all(x: Tensor, mesh: DeviceMesh) -> Tensor:
     return funcol.all_to_all_single_autograd(x, None, None, mesh.get_group())
 
 
+@in_region("ulysses.layout")
 def _seq_to_heads_local(parts: list[Tensor], mesh: DeviceMesh) -> list[Tensor]:
     """(B, s, h_i, D_i) shards of the sequence -> (B, s*P, h_i/P, D_i) shards of heads.
 
@@ -70,6 +73,7 @@ def _seq_to_heads_local(parts: list[Tensor], mesh: DeviceMesh) -> list[Tensor]:
     return [x.view(batch, world * seq, p.shape[2] // world, p.shape[3]) for x, p in zip(pieces, parts)]
 
 
+@in_region("ulysses.layout")
 def _heads_to_seq_local(x: Tensor, mesh: DeviceMesh) -> Tensor:
     """(B, S, h, D) shard of heads -> (B, S/P, h*P, D) shard of the sequence."""
     world = mesh.size()
@@ -212,6 +216,7 @@ class UlyssesAttention(ParallelStyle):
         module.register_forward_hook(post_hook, with_kwargs=True)
         return module
 
+    @in_region("ulysses.layout")
     def _to_heads(self, q, k, v, mesh: DeviceMesh) -> list[Tensor]:
         # Plain tensors are this rank's Shard(1) slices and go straight to the
         # exchange on local tensors: the same collective as the DTensor path,

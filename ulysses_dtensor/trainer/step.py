@@ -21,6 +21,8 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..runtime.regions import region
+
 __all__ = ["StepResult", "build_optimizer", "train_step"]
 
 
@@ -96,27 +98,31 @@ def train_step(
         phase("forward")
         # With labels the model returns this rank's loss share; the head
         # computes it chunk by chunk when memory.tiled_loss is on.
-        loss = model(
-            ids[rows],
-            position_ids=batch["position_ids"][rows],
-            document_ids=None if docs is None else docs[rows],
-            labels=batch["labels"][rows],
-            num_valid_tokens=num_valid_tokens,
-        )
+        with region("step.forward"):
+            loss = model(
+                ids[rows],
+                position_ids=batch["position_ids"][rows],
+                document_ids=None if docs is None else docs[rows],
+                labels=batch["labels"][rows],
+                num_valid_tokens=num_valid_tokens,
+            )
         phase("backward")
-        loss.backward()
+        with region("step.backward"):
+            loss.backward()
         loss_sum += loss.detach()
         del loss
 
     phase("clip")
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = clip_grad_norm_(params, max_norm)
+    with region("step.clip"):
+        grad_norm = clip_grad_norm_(params, max_norm)
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
     phase("optimizer")
-    optimizer.step()
-    phase("zero_grad")
-    optimizer.zero_grad(set_to_none=True)
+    with region("step.optimizer"):
+        optimizer.step()
+        phase("zero_grad")
+        optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum, grad_norm)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from ulysses_dtensor.attention import FEATURES, check_backend, local_attention
 from ulysses_dtensor.attention.select import SUPPORTS
+from ulysses_dtensor.runtime.regions import in_region
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -184,6 +185,7 @@ def _ring_core(q, k, v, mesh, document_ids, scale, window, softcap, sinks) -> Te
     return out[..., :dv] if dv < dk else out
 
 
+@in_region("hf.attention")
 def ulysses_attention_forward(
     module: nn.Module,
     query: Tensor,

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The one-call GPU kit: run it first whenever a GPU is lent (one H100 / H200, <= 6 minutes).
+#
+#   bash scripts/gpu_perf.sh OUT_DIR
+#
+# Pieces, in order, each one process under its own time limit, each writing into OUT_DIR
+# as it goes (a failed or killed piece never loses another's results):
+#   env            versions, the attention kernels that run here, what `auto` picks
+#   plan           (in the background, CPU only) the planner's 1-GPU maximum of a 4-layer
+#                  Qwen3-8B-sized model
+#   shape_llama    Llama-3-8B, 32K tokens per GPU, one rank of 8 simulated: layer fit, each kernel,
+#                  full AC vs save_attention
+#   profile_llama  one step of it cut into the library's regions (torch.profiler)
+#   shape_qwen     Qwen3-8B-shaped, 128K tokens per GPU (1M on 8), likewise
+#   plan_check     one real step at the planned maximum: planned vs measured peak
+#   report         figures at full depth, targets, the breakdown, OUT_DIR/RESULTS_block.md
+# Everything ends up in OUT_DIR/gpu_perf.tar.gz (a lease brings back at most 8 files), beside
+# the report (report.txt, RESULTS_block.md, summary.json), which is printed last. Without a GPU (no `nvidia-smi -L`, CUDA_VISIBLE_DEVICES empty, or
+# GPU_PERF_TINY=1) every piece runs at tiny sizes on the CPU, the three middle ones side by
+# side: the smoke run tests/test_gpu_perf.py makes.
+#
+# GPU_PERF_BUDGET_S (default 350) bounds the whole run; GPU_PERF_LIMITS overrides piece
+# limits ("shape_qwen=120 plan=150"). GPU_PERF_WHEELS (default shared/wheels): a folder of
+# wheels (e.g. fla-core) installed first with pip --no-index into a private folder, when there
+# are any. GPU_PERF_KEEP=1 keeps the unpacked OUT_DIR/pieces. PYTHON picks the interpreter.
+set -uo pipefail
+[ $# -ge 1 ] || { sed -n 2,25p "$0"; exit 2; }
+top="$(mkdir -p "$1" && cd "$1" && pwd)"
+out="$top/pieces"  # the pieces' files; packed and removed at the end (GPU_PERF_KEEP=1 keeps them)
+rm -rf "$out" "$top/gpu_perf.tar.gz" && mkdir -p "$out"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+budget="${GPU_PERF_BUDGET_S:-350}"
+start=$SECONDS
+declare -A limit=([env]=40 [plan]=200 [shape_llama]=80 [profile_llama]=40 [shape_qwen]=140 [plan_check]=50)
+# No GPU (or GPU_PERF_TINY=1): the CPU smoke run at tiny sizes, under generous limits.
+tiny=0
+if [ "${GPU_PERF_TINY:-0}" = 1 ] || [ "${CUDA_VISIBLE_DEVICES-x}" = "" ] \
+        || ! nvidia-smi -L 2>/dev/null | grep -q GPU; then
+    tiny=1 budget="${GPU_PERF_BUDGET_S:-1200}"
+    for k in "${!limit[@]}"; do limit[$k]=300; done
+fi
+for kv in ${GPU_PERF_LIMITS:-}; do limit[${kv%%=*}]=${kv#*=}; done
+# On exit, whatever happened: a lease brings back at most 8 files, so OUT_DIR keeps four:
+# the tarball of every piece's output and log, the report, its RESULTS.md block and summary.
+finish() {
+    tar czf "$top/gpu_perf.tar.gz" -C "$top" pieces
+    for f in RESULTS_block.md summary.json report.txt; do [ -f "$out/$f" ] && cp "$out/$f" "$top/"; done
+    [ "${GPU_PERF_KEEP:-0}" = 1 ] || rm -rf "$out"
+}
+trap finish EXIT
+
+# Optional: wheels carried with the working tree (fla-core for the hybrid layers' kernels).
+wheels="${GPU_PERF_WHEELS:-shared/wheels}"
+if compgen -G "$wheels/*.whl" >/dev/null; then
+    echo "gpu_perf: installing $(ls "$wheels"/*.whl | wc -l) wheel(s) from $wheels" >&2
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu_perf_site "$wheels"/*.whl >"$out/wheels.log" 2>&1 \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_perf_site" \
+        || echo "gpu_perf: wheel install failed (see wheels.log); going on without" >&2
+fi
+
+# run NAME LIMIT CMD...: CMD under min(LIMIT, what is left of the budget), logged, status recorded.
+run() {
+    local name=$1 lim=$2; shift 2
+    local left=$((budget - (SECONDS - start) - 10))
+    [ "$lim" -le "$left" ] || lim=$left
+    if [ "$lim" -lt 5 ]; then
+        echo "{\"piece\": \"$name\", \"rc\": null, \"seconds\": 0, \"limit\": 0, \"skipped\": \"no time left\"}" >>"$out/pieces.jsonl"
+        echo "gpu_perf: $name skipped: no time left" >&2; return
+    fi
+    echo "gpu_perf: $name (limit ${lim} s) ..." >&2
+    local t0=$SECONDS
+    GPU_PERF_PIECE_LIMIT=$lim timeout -k 5 "$lim" "$@" >"$out/$name.log" 2>&1; local rc=$?
+    echo "{\"piece\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0)), \"limit\": $lim}" >>"$out/pieces.jsonl"
+    echo "gpu_perf: $name exit $rc in $((SECONDS - t0)) s" >&2
+}
+kit=("$py" benchmarks/gpu_perf.py)
+[ "$tiny" = 0 ] || kit+=(--tiny)
+
+run env "${limit[env]}" "${kit[@]}" env --out "$out"
+budget_gib=$("$py" -c "import json,sys; print(json.load(open(sys.argv[1])).get('memory_gib') or 80)" "$out/env.json" 2>/dev/null || echo 80)
+# The planner only computes on the CPU: it runs beside the GPU pieces.
+( OMP_NUM_THREADS=4 run plan "${limit[plan]}" "${kit[@]}" plan --out "$out" --budget-gib "$budget_gib" ) &
+plan_pid=$!
+shape_llama() { run shape_llama "${limit[shape_llama]}" "${kit[@]}" shape --shape llama --out "$out"; }
+profile_llama() { run profile_llama "${limit[profile_llama]}" "${kit[@]}" profile --shape llama --out "$out"; }
+shape_qwen() { run shape_qwen "${limit[shape_qwen]}" "${kit[@]}" shape --shape qwen --out "$out"; }
+if [ "$tiny" = 1 ]; then  # the CPU smoke run times nothing that matters: side by side
+    pids=()
+    for piece in shape_llama profile_llama shape_qwen; do $piece & pids+=($!); done
+    wait "${pids[@]}"
+else                      # on the GPU one at a time, so that no piece's timing disturbs another's
+    shape_llama; profile_llama; shape_qwen
+fi
+wait "$plan_pid" 2>/dev/null  # the planner's limit bounds this wait
+run plan_check "${limit[plan_check]}" "${kit[@]}" plan_check --out "$out"
+"$py" benchmarks/gpu_perf.py report --out "$out" --budget-s "$budget" 2>"$out/report.log" | tee "$out/report.txt"
+echo "gpu_perf: done in $((SECONDS - start)) s; everything in $top/gpu_perf.tar.gz" >&2

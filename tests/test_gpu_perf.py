@@ -1,0 +1,231 @@
+"""scripts/gpu_perf.sh, the one-call GPU kit, run whole on the CPU at tiny sizes.
+
+On a machine without CUDA every piece runs at tiny sizes, so the kit cannot rot
+between GPU leases. Checked on its outputs:
+
+* every piece ran and exited 0, and everything is in the tarball a lease brings back;
+* env: every backend name was tried, and what ran includes ``auto`` and ``sdpa``;
+* each shape: the auto kernel at every layer count of its fit plus the record
+  extrapolated to full depth, finite figures at full depth in the summary, and the
+  save_attention variant measured or skipped with its reason;
+* the region table of a profiled step: its lines add up to the step; the ops'
+  self times fit inside the step's wall time (each counted once) and cover most of
+  it; attention shows forward, recompute and backward; the MLP is recomputed (full
+  AC); every backward node a forward op made is mapped to that op's region;
+* the planner check: the measured peak at the planned maximum is within 5 % of the plan;
+* the RESULTS.md block has every section.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from script_module import load_script
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory) -> Path:
+    """The pieces' files as a lease brings them back: unpacked from the tarball."""
+    out = tmp_path_factory.mktemp("gpu_perf")
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_perf.sh"), str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "## " in proc.stdout and "gpu_perf: done in" in proc.stderr
+    # What a lease brings back (at most 8 files): the tarball and the report beside it.
+    assert sorted(p.name for p in out.iterdir()) == ["RESULTS_block.md", "gpu_perf.tar.gz", "report.txt",
+                                                     "summary.json"]
+    with tarfile.open(out / "gpu_perf.tar.gz") as tar:
+        tar.extractall(out / "unpacked", filter="data")
+    return out / "unpacked" / "pieces"
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _finite(*xs) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+
+
+def test_every_piece_ran_and_everything_is_in_the_tarball(kit):
+    pieces = {p["piece"]: p for p in _lines(kit / "pieces.jsonl")}
+    assert set(pieces) == {"env", "plan", "shape_llama", "profile_llama", "shape_qwen", "plan_check"}
+    assert all(p["rc"] == 0 for p in pieces.values()), pieces
+    names = {p.name for p in kit.iterdir()}
+    assert {"env.json", "shape_llama.jsonl", "shape_qwen.jsonl", "profile_llama.json", "plan.json",
+            "plan_check.json", "summary.json", "RESULTS_block.md", "pieces.jsonl"} <= names
+    assert {f"{p}.log" for p in pieces} <= names  # each piece's own log
+
+
+def test_env_tries_every_backend(kit):
+    from ulysses_dtensor.attention.select import BACKENDS
+
+    env = json.loads((kit / "env.json").read_text())
+    assert env["tiny"] is True and env["backends"] == list(BACKENDS)
+    assert set(env["kernels"]) == set(BACKENDS)
+    assert {"auto", "sdpa"} <= set(env["runs_here"]) and env["auto"] == "sdpa"
+    assert all(v["error"] for v in env["kernels"].values() if not v["runs"])  # a reason for each
+
+
+@pytest.mark.parametrize("shape", ["llama", "qwen"])
+def test_each_shape_has_its_fit_and_full_depth_figures(kit, shape):
+    spec = load_script(REPO / "benchmarks" / "gpu_perf.py").TINY_SHAPES[shape]
+    recs = _lines(kit / f"shape_{shape}.jsonl")
+    auto = [r for r in recs if r["kit"]["kernel"] == "auto" and r["kit"]["ac"] == "full"]
+    measured = [r for r in auto if "extrapolated" not in r]
+    assert [r["config"]["model"]["n_layers"] for r in measured] == spec["fit"]
+    assert all(r["communication"].startswith("skipped (fake process group)") for r in measured)
+    assert all(r["world_size"] == 8 and r["config"]["mesh"]["sp"] == 8 for r in measured)
+    (ex,) = [r for r in auto if "extrapolated" in r]
+    assert ex["config"]["model"]["n_layers"] == spec["layers"]
+    sa = [r for r in recs if r["kit"]["ac"] == "save_attention"]
+    assert sa and all("skipped" in r or r["config"]["save_attention"] for r in sa)
+    summary = json.loads((kit / "summary.json").read_text())["shapes"][shape]
+    v = summary["variants"]["auto / full AC"]
+    assert _finite(v["compute_only"]["step_s"], v["compute_only"]["tokens_per_s_per_gpu"], v["peak_gib"],
+                   v["modelled_400"]["step_s"], v["modelled_300"]["step_s"])
+    # The modelled collectives only add time, more at the lower bandwidth.
+    assert v["compute_only"]["step_s"] <= v["modelled_400"]["step_s"] <= v["modelled_300"]["step_s"]
+    flops = v["flops_per_token"]
+    assert flops["hardware"] > flops["model"] > 0  # full AC recomputes
+
+
+def test_the_region_table_adds_up_to_the_step_and_maps_the_backward(kit):
+    table_mod = load_script(REPO / "benchmarks" / "_region_table.py")
+    table = json.loads((kit / "profile_llama.json").read_text())["table"]
+    t, rows = table["totals"], table["rows"]
+    step = t["step_ms"]
+    assert table_mod.rows_sum_ms(table) == pytest.approx(step, rel=1e-3)
+    # Self CPU times, each op once: inside the step's wall time, and most of it.
+    assert -0.01 * step <= t["idle_ms"] <= 0.25 * step
+    assert t["unlinked_ms"] == 0 and t["concurrent_ms"] == 0
+    for phase in ("forward", "recompute", "backward"):
+        assert rows["attention"][phase] > 0 and rows["exchange layout copies"][phase] > 0
+    assert rows["mlp"]["recompute"] > 0 and rows["projections q/k/v/o"]["backward"] > 0
+    assert rows["optimizer"]["total"] > 0 and rows["clip"]["total"] > 0 and rows["norms"]["total"] > 0
+    assert rows["loss (output head)"]["recompute"] > 0  # tiled loss: each chunk recomputed in backward
+    # Every backward node a forward op made maps to that op's region; left over are only the
+    # nodes no forward op makes: gradient accumulation into the parameters and FSDP's hook.
+    no_forward_op = {"torch::autograd::AccumulateGrad", "RegisterPostBackwardFunctionBackward"}
+    assert set(table["unmapped_backward"]) <= no_forward_op
+
+
+def test_planner_check_is_close(kit):
+    plan = json.loads((kit / "plan.json").read_text())
+    check = json.loads((kit / "plan_check.json").read_text())
+    assert plan["max_seq_len"] > 0 and check["seq_len"] == plan["max_seq_len"]
+    assert check["ratio"] == pytest.approx(1.0, abs=0.05), check
+
+
+def test_the_results_block_has_every_section(kit):
+    block = (kit / "RESULTS_block.md").read_text()
+    for needle in ("TINY CPU SMOKE RUN", "torch ", "`auto` -> `sdpa`", "### tiny Llama", "### tiny Qwen3-shaped",
+                   "Layer fit (auto, full AC)", "### Targets", "### Where a step goes", "| **step** |",
+                   "### Planner check", "save_attention", "400 GB/s", "300 GB/s"):
+        assert needle in block, needle
+
+
+class _Span:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def elapsed_us(self):
+        return self.end - self.start
+
+
+class _Events:
+    """Profiler events as torch's FunctionEvent shows them (what region_table reads)."""
+
+    def __init__(self):
+        self.all = []
+
+    def op(self, name, start, end, parent=None, *, thread=1, seq=-1, fwd_thread=None, kernels=(), annotation=False):
+        from types import SimpleNamespace
+
+        e = SimpleNamespace(name=name, device_type=SimpleNamespace(name="CPU"), is_async=False, thread=thread,
+                            fwd_thread=thread if fwd_thread is None else fwd_thread, sequence_nr=seq,
+                            time_range=_Span(start, end), cpu_parent=parent, cpu_children=[],
+                            is_user_annotation=annotation,
+                            kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels])
+        if parent is not None:
+            parent.cpu_children.append(e)
+        e.self_cpu_time_total = end - start
+        self.all.append(e)
+        return e
+
+    def device(self, name, start, end, annotation=False):
+        from types import SimpleNamespace
+
+        self.all.append(SimpleNamespace(name=name, device_type=SimpleNamespace(name="CUDA"), is_async=False,
+                                        time_range=_Span(start, end), is_user_annotation=annotation,
+                                        cpu_parent=None, cpu_children=[], kernels=[], sequence_nr=-1))
+
+
+def test_device_time_goes_to_forward_recompute_and_backward_rows_once():
+    # The CUDA path of region_table, which the CPU smoke run never takes, on a hand-made profile:
+    # forward on thread 1, autograd's engine on thread 2, a checkpoint recompute inside a backward node.
+    table_mod = load_script(REPO / "benchmarks" / "_region_table.py")
+    ev = _Events()
+    fwd = ev.op("ud.step.forward", 0, 100, annotation=True)
+    att = ev.op("ud.attention", 10, 30, fwd, annotation=True, kernels=[("ud.attention", 60)])  # its own GPU span
+    ev.op("aten::_flash_attention_forward", 12, 20, att, seq=5, kernels=[("flash_fwd", 50)])
+    mlp = ev.op("ud.mlp", 40, 60, fwd, annotation=True)
+    ev.op("aten::mm", 41, 50, mlp, seq=6, kernels=[("gemm", 30)])
+    gather = ev.op("FSDP::all_gather_copy_in", 70, 80, fwd, annotation=True)
+    ev.op("aten::copy_", 71, 72, gather, kernels=[("copy", 5)])
+    out = ev.op("ud.offload.copy_out", 85, 90, fwd, annotation=True)
+    ev.op("aten::copy_", 86, 87, out, kernels=[("Memcpy DtoH", 20)])
+    clip = ev.op("ud.step.clip", 300, 320, annotation=True)
+    ev.op("cudaStreamSynchronize", 301, 304, clip)
+    node = ev.op(f"{table_mod.EVALUATE}FlashAttnBackward0", 200, 260, thread=2, seq=5, fwd_thread=1)
+    ev.op("aten::_flash_attention_backward", 201, 250, node, thread=2, kernels=[("flash_bwd", 100)])
+    ckpt = ev.op(f"{table_mod.EVALUATE}CheckpointFunctionBackward", 261, 290, thread=2, seq=9, fwd_thread=1)
+    rec = ev.op("ud.mlp.recompute", 262, 270, ckpt, thread=2, annotation=True)
+    ev.op("aten::mm", 263, 269, rec, thread=2, seq=7, kernels=[("gemm", 30)])
+    mm_bwd = ev.op(f"{table_mod.EVALUATE}MmBackward0", 271, 289, ckpt, thread=2, seq=7, fwd_thread=2)
+    ev.op("aten::mm", 272, 288, mm_bwd, thread=2, kernels=[("gemm", 60)])
+    lost = ev.op(f"{table_mod.EVALUATE}MmBackward0", 291, 295, thread=2, seq=99, fwd_thread=1)
+    ev.op("aten::mm", 292, 294, lost, thread=2, kernels=[("gemm", 10)])
+    for name, a, b in (("flash_fwd", 1000, 1050), ("gemm", 1100, 1130), ("copy", 1130, 1135),
+                       ("Memcpy DtoH", 1110, 1130), ("flash_bwd", 1200, 1300), ("gemm", 1300, 1330),
+                       ("gemm", 1330, 1390), ("gemm", 1390, 1400), ("unlinked kernel", 1400, 1407)):
+        ev.device(name, a, b)
+    ev.device("ud.attention", 1000, 1060, annotation=True)  # a gpu_user_annotation: no work of its own
+
+    table = table_mod.region_table(ev.all, 1000e-6, device=True)
+    rows, t = table["rows"], table["totals"]
+    assert (rows["attention"]["forward"], rows["attention"]["backward"]) == (0.05, 0.1)
+    assert (rows["mlp"]["forward"], rows["mlp"]["recompute"], rows["mlp"]["backward"]) == (0.03, 0.03, 0.06)
+    assert rows["fsdp gathers / reduces"]["forward"] == 0.005 and rows["offload copies"]["forward"] == 0.02
+    assert rows["other (no region)"]["backward"] == 0.01 and table["unmapped_backward"] == {"MmBackward0": 0.01}
+    assert rows["attention"]["calls"] == 1 and rows["mlp"]["calls"] == 2
+    assert t["work_ms"] == 0.312 and t["attributed_ms"] == 0.305 and t["unlinked_ms"] == 0.007
+    assert t["concurrent_ms"] == 0.02  # the copy ran beside the gemm
+    assert t["idle_ms"] == pytest.approx(1.0 - 0.292)
+    assert table_mod.rows_sum_ms(table) == pytest.approx(t["step_ms"])
+    assert table["host_syncs"] == {"cudaStreamSynchronize": {"count": 1, "host_ms": 0.003, "in": {"clip": 1}}}
+
+
+def test_with_no_time_left_every_piece_is_skipped_and_the_report_still_comes(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "GPU_PERF_BUDGET_S": "1"}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_perf.sh"), str(tmp_path)], cwd=REPO,
+                          env={**env, "GPU_PERF_KEEP": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pieces = _lines(tmp_path / "pieces" / "pieces.jsonl")
+    assert {p["piece"] for p in pieces} == {"env", "plan", "shape_llama", "profile_llama", "shape_qwen", "plan_check"}
+    assert all(p["skipped"] == "no time left" for p in pieces)
+    block = (tmp_path / "RESULTS_block.md").read_text()
+    assert "### llama: no result" in block and "### qwen: no result" in block
+    with tarfile.open(tmp_path / "gpu_perf.tar.gz") as tar:
+        assert {"pieces/pieces.jsonl", "pieces/RESULTS_block.md", "pieces/summary.json"} <= set(tar.getnames())
