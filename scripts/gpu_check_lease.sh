@@ -22,6 +22,8 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 py="${PYTHON:-python3}"
 export PYTHON="$py" PYTHONUNBUFFERED=1 PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+# The hybrid mixers' GPU kernels: fla-core's carried wheel (scripts/kernel_wheels.sh), where fla does not import.
+source "$repo/scripts/kernel_wheels.sh"
 mkdir -p "$out/a" "$out/b" "$out/f" "$out/c"
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -20,9 +20,8 @@
 # side: the smoke run tests/test_gpu_perf.py makes.
 #
 # GPU_PERF_BUDGET_S (default 350) bounds the whole run; GPU_PERF_LIMITS overrides piece
-# limits ("shape_qwen=120 plan=150"). GPU_PERF_WHEELS (default shared/wheels): a folder of
-# wheels (e.g. fla-core) installed first with pip --no-index into a private folder, when there
-# are any. GPU_PERF_KEEP=1 keeps the unpacked OUT_DIR/pieces. PYTHON picks the interpreter.
+# limits ("shape_qwen=120 plan=150"). A fla-core wheel carried in .whl/ (scripts/kernel_wheels.sh)
+# is installed first. GPU_PERF_KEEP=1 keeps the unpacked OUT_DIR/pieces. PYTHON picks the interpreter.
 set -uo pipefail
 [ $# -ge 1 ] || { sed -n 2,25p "$0"; exit 2; }
 top="$(mkdir -p "$1" && cd "$1" && pwd)"
@@ -52,15 +51,9 @@ finish() {
 }
 trap finish EXIT
 
-# Optional: wheels carried with the working tree (fla-core for the hybrid layers' kernels).
-wheels="${GPU_PERF_WHEELS:-shared/wheels}"
-if compgen -G "$wheels/*.whl" >/dev/null; then
-    echo "gpu_perf: installing $(ls "$wheels"/*.whl | wc -l) wheel(s) from $wheels" >&2
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/gpu_perf_site "$wheels"/*.whl >"$out/wheels.log" 2>&1 \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_perf_site" \
-        || echo "gpu_perf: wheel install failed (see wheels.log); going on without" >&2
-fi
+# The hybrid mixers' GPU kernels: fla-core's wheel carried in .whl/ (scripts/kernel_wheels.sh;
+# name .whl in the device run's carry), installed where fla does not import already.
+PYTHON="$py" source "$repo/scripts/kernel_wheels.sh" 2>>"$out/wheels.log"
 
 # run NAME LIMIT CMD...: CMD under min(LIMIT, what is left of the budget), logged, status recorded.
 run() {
