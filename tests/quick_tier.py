@@ -87,6 +87,7 @@ TESTS = {
     "test_save_attention.py": [  # all but the compiled step (10 s of tracing)
         "test_kept_ops_cover_every_attention_kernel_of_this_torch",
         "test_varlen_attn_dispatches_a_kept_op",
+        "test_varlen_attn_output_is_kept_and_its_gradients_exact",
         "test_flex_attention_reaches_the_checkpoint_modes",
         "test_checkpoint_storage_layout_is_what_offload_reads",
         "test_offloader_brings_back_the_kept_outputs_with_the_block_input",
@@ -94,6 +95,7 @@ TESTS = {
         "test_llama_save_attention_matches_no_ac_and_runs_attention_once",
         "test_save_attention_needs_full_ac",
         "test_config_refuses_save_attention_without_full_ac",
+        "test_trainer_banner_says_what_is_kept_and_where",
     ],
     "test_estimate.py": [
         "test_dtensor_shape_propagation_is_not_counted",

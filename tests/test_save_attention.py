@@ -83,7 +83,7 @@ class KernelCounter(TorchDispatchMode):
 
 
 def test_kept_ops_cover_every_attention_kernel_of_this_torch():
-    import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn)
+    import torch.nn.attention.varlen  # registers torch_attn
 
     registered = {n for n in torch._C._dispatch_get_all_op_names() if "." not in n}
     kernels = {n for n in registered if n.startswith("aten::") and "attention" in n and "backward" not in n}
@@ -118,12 +118,65 @@ def test_varlen_attn_dispatches_a_kept_op():
     assert [n for n in seen if n in KEPT_ATTENTION_OPS] == ["torch_attn::_varlen_attn"], seen
 
 
+def test_varlen_attn_output_is_kept_and_its_gradients_exact():
+    """torch's varlen_attn (its custom op and the autograd registered for it) under the
+    checkpoint: kept in forward, not run again in the recompute, gradients exact. Its kernels
+    are CUDA-only: per-document CPU kernels stand in for them while the test runs
+    (tests/cuda_kernel_shims.py), under the op's own autograd."""
+    import cuda_kernel_shims as shims
+    from torch.nn.attention import varlen as V
+    from torch.utils.checkpoint import checkpoint
+
+    def forward_cpu(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, scale=None, window_size=None, *rest):
+        return shims._varlen_cpu(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale)
+
+    def backward_cpu(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, rng, scale=None, window=None):
+        return shims._varlen_backward_cpu(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, rng, scale)
+
+    for op, fn in ((V._varlen_attn, forward_cpu), (V._varlen_attn_backward, backward_cpu)):
+        if "cpu" not in op._backend_fns:
+            # Registered disabled (torch keeps a kernel registered after a disable disabled), so
+            # only the `with` below enables it: the rest of the process sees torch's own op.
+            op._disabled_kernel.add("cpu")
+            op.register_kernel("cpu")(fn)
+
+    class VarlenBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def forward(self, x, cu):
+            q, k, v = self.qkv(x).view(-1, 3, 2, 8).unbind(1)  # (tokens, heads, head dim)
+            a = V.varlen_attn(q, k, v, cu, cu, 7, 7, window_size=(-1, 0))
+            return x + self.out(a.reshape(-1, 16))
+
+    torch.manual_seed(0)
+    block = VarlenBlock()
+    x = torch.randn(12, 16, requires_grad=True)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)  # two documents
+    with V._varlen_attn.set_kernel_enabled("cpu"), V._varlen_attn_backward.set_kernel_enabled("cpu"):
+        block(x, cu).square().sum().backward()
+        ref = _grads(block, x)
+        for contexts, kernels in ((None, 2), (keep_attention_contexts, 1)):
+            options = {"context_fn": contexts} if contexts else {}
+            with KernelCounter() as count:
+                checkpoint(block, x, cu, use_reentrant=False, **options).square().sum().backward()
+            assert count.kernels == kernels, (contexts, count.kernels)
+            for n, g in _grads(block, x).items():
+                torch.testing.assert_close(g, ref[n], msg=n)
+    with pytest.raises(RuntimeError):  # torch's own CPU path again: its kernel is CUDA-only
+        V.varlen_attn(x.view(12, 2, 8), x.view(12, 2, 8), x.view(12, 2, 8), cu, cu, 7, 7)
+
+
 def test_flex_attention_reaches_the_checkpoint_modes():
     """FlexAttention is a higher-order op: torch hands it to the selective checkpoint's
     modes (both), whose policy sees it by this name (flex has no backward on CPU, so the
     saving itself runs on GPUs only)."""
     from torch._higher_order_ops.flex_attention import flex_attention
-    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    from torch.utils.checkpoint import (
+        _CachedTorchDispatchMode,
+        _CachingTorchDispatchMode,
+    )
 
     assert op_name(flex_attention) == "higher_order::flex_attention" and is_attention_kernel(flex_attention)
     for mode in (_CachingTorchDispatchMode, _CachedTorchDispatchMode):
@@ -269,7 +322,11 @@ def _step(pm, opts: dict, batch):
     from ulysses_dtensor.models.llama import Llama, llama_args
     from ulysses_dtensor.models.llama_parallelize import parallelize_llama
     from ulysses_dtensor.parallel.batch import shard_batch
-    from ulysses_dtensor.parallel.loss import count_valid_tokens, global_loss, sp_cross_entropy
+    from ulysses_dtensor.parallel.loss import (
+        count_valid_tokens,
+        global_loss,
+        sp_cross_entropy,
+    )
 
     torch._dynamo.reset()
     with torch.device("meta"):
@@ -372,3 +429,19 @@ def test_config_refuses_save_attention_without_full_ac():
                                               rf"activation_checkpoint.mode='full' \(got '{mode}'\).*Set "
                                               rf"mode='full', or save_attention=false"):
             parse_config({"activation_checkpoint": {"mode": mode, "save_attention": True}})
+
+
+def test_trainer_banner_says_what_is_kept_and_where():
+    from ulysses_dtensor.trainer.config import parse_config
+    from ulysses_dtensor.trainer.loop import _checkpointing_banner
+
+    def banner(ac: dict, memory: dict | None = None) -> str:
+        return _checkpointing_banner(parse_config({"activation_checkpoint": ac, "memory": memory or {}}))
+
+    assert banner({"mode": "full"}) == "activation checkpointing full"
+    assert banner({"mode": "full", "save_attention": True}) == (
+        "activation checkpointing full; attention kernel outputs kept from forward, not recomputed (save_attention)")
+    assert banner({"mode": "full", "save_attention": True}, {"offload_activations": True}).endswith(
+        "(save_attention); layer inputs and kept attention outputs offloaded to host")
+    assert banner({"mode": "selective"}).startswith("activation checkpointing selective (op:")
+    assert banner({"mode": "none"}) == "activation checkpointing off"

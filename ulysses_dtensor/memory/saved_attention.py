@@ -34,7 +34,7 @@ differs between torch versions; both are read here, and tests pin them).
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -94,7 +94,10 @@ def keep_attention_contexts(on_keep: Callable[[], None] | None = None):
     """torch's selective-checkpoint contexts (forward mode, recompute mode) that save
     the attention kernels' outputs and recompute every other op. ``on_keep`` is
     called once per kernel output kept (in forward, or when torch.compile traces it)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        create_selective_checkpoint_contexts,
+    )
 
     def policy(ctx, func, *args, **kwargs):
         if is_attention_kernel(func):

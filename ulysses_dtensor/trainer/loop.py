@@ -335,7 +335,7 @@ def _checkpointing_banner(cfg: JobConfig) -> str:
         return "activation checkpointing off"
     if ac.mode == "selective":
         what = ("op: attention, exchanges and every other matmul saved" if ac.selective == "op"
-                else f"every {ac.selective}th layer fully")
+                else f"one layer in {ac.selective} fully")
         return f"activation checkpointing selective ({what})"
     kept = ("; attention kernel outputs kept from forward, not recomputed (save_attention)"
             if ac.save_attention else "")
