@@ -246,6 +246,28 @@ def test_checkpoint_storage_layout_is_what_offload_reads():
         torch.testing.assert_close(g, ref[n], msg=n)
 
 
+def test_kept_outputs_are_read_from_the_list_layout_of_torch_2_11():
+    """torch 2.11's storage (before pytorch#176455): a list of entries per op, each the op's
+    outputs wrapped in _VersionWrapper; the recompute pops them in order and checks versions."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import _VersionWrapper
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    outputs = [(torch.randn(2, 3), torch.randn(2)) for _ in range(2)]
+    storage = defaultdict(list)
+    for out in outputs:
+        storage[op].append(torch.utils._pytree.tree_map(_VersionWrapper, out))
+    kept = take_kept_outputs(storage)
+    assert kept.entries == 2 and [t.data_ptr() for t in kept.hand_over()] == [
+        t.data_ptr() for out in outputs for t in out]
+    assert all(w.val is None for entry in storage[op] for w in entry)
+    kept.put_back([t.clone() for out in outputs for t in out])
+    for entry, out in zip(storage[op], outputs):  # as the recompute reads them
+        for w, t in zip(entry, out):
+            torch.testing.assert_close(w.get_val(False), t)
+
+
 def test_offloader_brings_back_the_kept_outputs_with_the_block_input():
     torch.manual_seed(0)
     blocks = nn.ModuleList([AttnBlock() for _ in range(3)])

@@ -101,7 +101,7 @@ def keep_attention_contexts(on_keep: Callable[[], None] | None = None):
 
     def policy(ctx, func, *args, **kwargs):
         if is_attention_kernel(func):
-            # Before torch 2.12 the policy is asked again in the recompute.
+            # torch 2.11 and older ask the policy again in the recompute.
             if on_keep is not None and not ctx.is_recompute:
                 on_keep()
             return CheckpointPolicy.MUST_SAVE
@@ -172,9 +172,10 @@ class AttentionKeeping:
 def _entries(storage):
     """(container, key) of every entry of a selective checkpoint's storage.
 
-    torch 2.12+: ``{op key: {call index: entry}}``, an entry being the op's
-    outputs wrapped in ``_VersionWrapper`` or a marker object (recomputed /
-    consumed). Earlier: ``{op: [entry, ...]}`` (saved ops only).
+    torch 2.13 (indexed storage, pytorch#176455): ``{op key: {call index: entry}}``,
+    an entry being the op's outputs wrapped in ``_VersionWrapper`` or a marker
+    object (recomputed / consumed). torch 2.11 and older: ``{op: [entry, ...]}``,
+    the saved calls only, popped in order by the recompute.
     """
     for per_op in storage.values():
         keys = list(per_op.keys()) if isinstance(per_op, dict) else range(len(per_op))
