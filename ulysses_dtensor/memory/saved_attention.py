@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 __all__ = [
     "KEPT_ATTENTION_OPS",
     "AttentionKeeping",
+    "attention_keeping",
     "KeptOutputs",
     "is_attention_kernel",
     "keep_attention_contexts",
@@ -162,6 +163,16 @@ class AttentionKeeping:
                 self.check()
 
         model.register_forward_hook(hook)
+
+
+def attention_keeping(model: nn.Module, save_attention: bool) -> AttentionKeeping | None:
+    """Set ``model.attention_keeping``: an :class:`AttentionKeeping` watching the model's
+    forwards with ``save_attention``, else None; return it."""
+    keep = AttentionKeeping() if save_attention else None
+    if keep is not None:
+        keep.watch(model)
+    model.attention_keeping = keep
+    return keep
 
 
 # ---------------------------------------------------------------------------

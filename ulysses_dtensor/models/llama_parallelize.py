@@ -51,14 +51,18 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ..memory.offload import HostOffloader, OffloadedCheckpointBlock
-from ..memory.saved_attention import AttentionKeeping, is_attention_kernel
+from ..memory.saved_attention import (
+    AttentionKeeping,
+    attention_keeping,
+    is_attention_kernel,
+)
 from ..parallel.mesh import ParallelMesh
 from ..parallel.ring import RingAttention
 from ..parallel.tensor_parallel import LLAMA_TP_PLAN, check_tp_heads, tensor_parallelize
 from ..parallel.ulysses import UlyssesAttention, kv_replication
 from ..runtime.suggest import unknown_name
 
-__all__ = ["AC_MODES", "attention_keeping", "check_memory_options", "clip_grad_norm_", "needs_rng_replay", "parallelize_llama"]
+__all__ = ["AC_MODES", "check_memory_options", "clip_grad_norm_", "needs_rng_replay", "parallelize_llama"]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -202,16 +206,6 @@ def needs_rng_replay(model: nn.Module) -> bool:
     recomputation must then replay forward's RNG state, or its masks differ from those
     the forward used and the gradients are wrong."""
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
-
-
-def attention_keeping(model: nn.Module, save_attention: bool) -> AttentionKeeping | None:
-    """``model.attention_keeping``: the model's :class:`~ulysses_dtensor.memory.saved_attention.AttentionKeeping`
-    with ``save_attention`` (watching the model's forwards), else None."""
-    keep = AttentionKeeping() if save_attention else None
-    if keep is not None:
-        keep.watch(model)
-    model.attention_keeping = keep
-    return keep
 
 
 def checkpoint_block(block: nn.Module, index: int, ac_mode: str, every_k: int | None,

@@ -34,11 +34,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from ulysses_dtensor.attention import check_backend
 from ulysses_dtensor.memory.offload import HostOffloader, OffloadedCheckpointBlock
+from ulysses_dtensor.memory.saved_attention import attention_keeping
 from ulysses_dtensor.models.llama_parallelize import (
     AC_MODES,
     _check_compile_backend,
     _parse_selective_ac,
-    attention_keeping,
     check_memory_options,
     checkpoint_block,
     needs_rng_replay,
