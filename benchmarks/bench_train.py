@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import math
 import os
 import statistics
@@ -81,11 +80,6 @@ from ulysses_dtensor.runtime.process_group import finish_together  # noqa: E402
 from ulysses_dtensor.trainer.step import train_step  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Full AC that keeps the attention kernel's output and log-sum-exp (not recomputed),
-# where this version of parallelize_llama has it.
-SAVE_ATTENTION = "save_attention" in inspect.signature(parallelize_llama).parameters
-NO_SAVE_ATTENTION = "this version of parallelize_llama has no save_attention parameter"
 
 # Dense peak FLOP/s per device for the MFU denominator (bf16/fp16 tensor cores).
 PEAK_FLOPS_16BIT = (("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
@@ -233,8 +227,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--offload-activations needs --ac full")
     if a.save_attention and a.ac != "full":
         p.error("--save-attention needs --ac full")
-    if a.save_attention and not SAVE_ATTENTION:
-        p.error(f"--save-attention: {NO_SAVE_ATTENTION}")
     if a.mode == "simulate" and a.world is None and len(a.sp) > 1:
         a.world = max(a.sp)
     if a.extrapolate_layers and len(set(a.layers or [])) < 2:
@@ -374,7 +366,6 @@ def build(a, args, pmesh, device: torch.device):
     with torch.device("meta"):
         model = Llama(args)
     selective = a.selective_ac if a.selective_ac == "op" else int(a.selective_ac)
-    extra = {"save_attention": True} if a.save_attention else {}
     model = parallelize_llama(
         model, pmesh,
         ac_mode=a.ac, selective_ac=selective,
@@ -385,7 +376,7 @@ def build(a, args, pmesh, device: torch.device):
         tiled_loss=a.tiled_loss, loss_chunks=a.loss_chunks,
         offload_activations=a.offload_activations,
         offload_params=a.offload_params,
-        **extra,
+        save_attention=a.save_attention,
     )
     model.to_empty(device="cpu" if a.offload_params else device)
     model.init_weights(seed=a.seed)

@@ -249,10 +249,6 @@ def piece_shape(args) -> int:
             tag = {"shape": args.shape, "title": shape["title"], "kernel": kernel, "auto_is": auto_is,
                    "ac": "save_attention" if save_attention else "full", "full_layers": shape["layers"],
                    "role": "fit" if len(layers) > 1 else "single", "tiny": tiny_mode(args)}
-            if save_attention and not B.SAVE_ATTENTION:
-                append(out, {"kit": tag, "skipped": B.NO_SAVE_ATTENTION})
-                print(f"gpu_perf: {args.shape}: save_attention skipped: {B.NO_SAVE_ATTENTION}", file=sys.stderr)
-                continue
             left = deadline - time.monotonic()
             if first_cost is not None and left < first_cost:
                 append(out, {"kit": tag, "skipped": f"not enough time left in this piece ({left:.0f} s; "

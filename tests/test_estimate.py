@@ -45,6 +45,8 @@ ACCURACY_CASES = {
                        "--memory.tiled_loss", "true", "--memory.loss_chunks", "4",
                        "--memory.offload_activations", "true"], 2048),
     "w2_sp2_offload_params": (2, ["--parallelism.sp", "2", "--memory.offload_params", "true"], 2048),
+    "w2_sp2_save_attention": (2, ["--parallelism.sp", "2", "--activation_checkpoint.mode", "full",
+                                  "--activation_checkpoint.save_attention", "true"], 2048),
     "w2_dp2_bf16": (2, ["--parallelism.sp", "1", "--parallelism.dp_shard", "2",
                         "--training.global_batch_size", "2",
                         "--training.mixed_precision_param", "bfloat16"], 1024),
@@ -347,6 +349,28 @@ def test_offload_moves_the_block_inputs_to_the_host():
     assert off.host_bytes == 0
 
 
+FULL = ("--activation_checkpoint.mode", "full")
+SAVE = (*FULL, "--activation_checkpoint.save_attention", "true")
+
+
+def test_save_attention_plans_between_full_and_selective_ac():
+    full, save, selective = _plan(*FULL), _plan(*SAVE), _plan("--activation_checkpoint.mode", "selective")
+    assert full.features["save_attention"] is False and save.features["save_attention"] is True
+    # Each layer keeps its attention kernel's output (1, heads/sp, S, head_dim) and log-sum-exp
+    # (1, heads/sp, S), fp32 (debug: 8 heads of 8 at dim 64): all of them alive when backward starts.
+    heads, head_dim, layers = 8 // 2, 64 // 8, FEAT_LAYERS
+    kept = layers * heads * FEAT_SEQ * (head_dim + 1) * 4
+    assert save.kinds["attention"] == kept and "attention" not in full.kinds
+    assert save.peak_bytes - full.peak_bytes == kept
+    # Selective op AC keeps the same kernel outputs, the exchanged tensors and half the matmuls.
+    assert full.peak_bytes < save.peak_bytes < selective.peak_bytes
+    # Offloaded (planned for CUDA), the kept outputs go to the host with the layer inputs.
+    off = _plan(*FULL, "--memory.offload_activations", "true", device="cuda")
+    save_off = _plan(*SAVE, "--memory.offload_activations", "true", device="cuda")
+    assert save_off.peak_bytes == off.peak_bytes
+    assert save_off.host_bytes - off.host_bytes == kept
+
+
 def test_offload_params_moves_the_parameter_state_to_the_host():
     # Planned for CUDA (on a CPU trainer host and device memory are one).
     bf16 = ("--training.mixed_precision_param", "bfloat16")
@@ -502,6 +526,25 @@ def test_search_api_agrees_with_plans():
                                  device="cpu", confirm=False, guess=guess)
         assert again.max_seq_len == m, (guess, again.max_seq_len, m)
         assert planned is None or [p[0] for p in again.plans] == planned
+
+
+def test_cli_max_seq_len_with_save_attention(capsys):
+    """The longest context with save_attention: the search plans the variant the config asks
+    for (its report says so), the next step up does not fit, and full AC needs less there."""
+    from ulysses_dtensor.estimate import MemoryPlan
+
+    budget = 0.02
+    code, out, err = _cli(capsys, *FEAT, *SAVE, "--max-seq-len", "--budget-gib", str(budget), "--headroom-gib", "0",
+                          "--granularity", "128", "--device", "cpu", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    best, next_up = res["best"], res["next_up"]
+    assert best["features"]["save_attention"] is True and next_up["seq_len"] == res["max_seq_len"] + 256
+    assert best["peak_bytes"] <= budget * GIB < next_up["peak_bytes"]
+    full = plan_memory(load_config(FEAT + list(FULL)), 2, next_up["seq_len"], rows=1, device="cpu")
+    assert full.peak_bytes < next_up["peak_bytes"]
+    text = MemoryPlan(**{k: v for k, v in best.items() if k != "peak_gib"}).format()  # what the text report prints
+    assert "ac=full, save_attention=True" in text, text
 
 
 def test_max_seq_len_benchmark_smoke_run():

@@ -131,6 +131,11 @@ def _run(family: str, pmesh: ParallelMesh, opts: dict, count: bool = False) -> t
     if opts.get("offload_activations"):
         info["offloaded"] = model.offloader.offloaded_bytes
         info["held"] = model.offloader.held
+    if opts.get("save_attention"):
+        text = model.config.get_text_config()
+        info.update(kept=model.attention_keeping.kept, problem=model.attention_keeping.problem,
+                    heads=text.num_attention_heads,
+                    head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
     if opts.get("offload_params"):
         info["host_params"] = all(p.to_local().is_cpu for p in model.parameters())
     return global_loss(loss.detach(), pmesh.loss).item(), grads, info
@@ -175,6 +180,58 @@ def test_memory_switches_match_unsharded_for_dense_moe_window_and_hybrid_familie
     for r in results:
         print(f"{r['family']:11s} {r['where']} {r['opts']}: loss {r['loss_rel']:.1e}, grad {r['grad_rel']:.1e}")
     assert len(results) == len(MEMORY_FAMILIES) * len(SWITCH_CASES)
+
+
+# save_attention: full AC that keeps the attention kernel's outputs (tests/test_save_attention.py
+# has the mechanism). Llama and Qwen3 (one kv head, replicated over sp) keep them; gpt-oss's sinks
+# under the sdpa backend are explicit scores, not one kernel: recomputed, with a warning.
+SAVE = {"ac_mode": "full", "save_attention": True}
+SAVE_CASES = [SAVE, {**SAVE, "offload_activations": True}]
+SAVE_FAMILIES = ("llama", "qwen3", "gpt_oss")
+
+
+def _save_attention_worker(rank: int, world: int) -> list[dict]:
+    import warnings
+
+    from test_save_attention import KernelCounter
+
+    out = []
+    with registry_restored():
+        refs = _references(SAVE_FAMILIES, rank, world)
+        pmesh = ParallelDims(sp=world).build_mesh("cpu")  # FSDP2 over the two sp ranks
+        for family in SAVE_FAMILIES:
+            for opts in SAVE_CASES:
+                with KernelCounter() as count, warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    value, grads, info = _run(family, pmesh, opts)
+                r = _check(family, opts, "sp 2", value, grads, *refs[family])
+                layers = info["layers"]
+                warned = [str(w.message) for w in caught if "save_attention" in str(w.message)]
+                if family == "gpt_oss":
+                    # No kernel to keep: attention ran (and was recomputed) as explicit scores.
+                    assert count.kernels == 0 and info["kept"] == 0, (family, opts, count.kernels, info)
+                    assert info["problem"] and len(warned) == 1 and "sinks" in warned[0], (info, warned)
+                else:
+                    # Once per layer: the recompute read the kept output.
+                    assert count.kernels == layers and info["kept"] == layers, (family, opts, count.kernels, info)
+                    assert info["problem"] is None and not warned, warned
+                if "offloaded" in info:
+                    # The layer inputs (fp32, hidden 32) and, after the exchange, the kept outputs:
+                    # (rows, heads / sp, padded sequence, head dim) and the float32 lse.
+                    tokens = info["local_tokens"]
+                    kept = (tokens * world) * (info["heads"] // world) * (info["head_dim"] + 1) * 4
+                    kept = kept if family != "gpt_oss" else 0
+                    assert info["offloaded"] == layers * (tokens * 32 * 4 + kept), (family, info)
+                    assert info["held"] == 0, (family, info)
+                out.append(r)
+    return out
+
+
+def test_save_attention_matches_unsharded_and_keeps_the_kernel_outputs():
+    results = run_ranks(2, _save_attention_worker)[0]
+    for r in results:
+        print(f"{r['family']:11s} {r['where']} {r['opts']}: loss {r['loss_rel']:.1e}, grad {r['grad_rel']:.1e}")
+    assert len(results) == len(SAVE_FAMILIES) * len(SAVE_CASES)
 
 
 def _ring_worker(rank: int, world: int) -> list[dict]:
@@ -224,6 +281,8 @@ def _refusals_worker(rank: int, world: int) -> list[str]:
         refuse(plain.make_model("llama"), usp, {"attn_backend": "flex"}, "LlamaForCausalLM with ring=2", "'flex'")
         sp2 = ParallelDims(sp=2, world_size=2)
         refuse(plain.make_model("llama"), sp2, {"offload_activations": True}, "offload_activations", "ac_mode='full'")
+        refuse(plain.make_model("llama"), sp2, {"save_attention": True}, "save_attention=True needs ac_mode='full'",
+               "got ac_mode='none'")
         refuse(plain.make_model("llama"), sp2, {"tiled_mlp": True, "mlp_tiles": 0}, "mlp_tiles=0")
         two = plain.make_model("llama")
         two.model.layers[0].feed_forward = two.model.layers[0].mlp  # which of the two is the block?

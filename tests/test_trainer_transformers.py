@@ -107,10 +107,12 @@ def runs(moe_dir, tmp_path_factory):
     resumed = _args(moe_dir, d / "resumed", *_mesh(2, 1, 2), "--activation_checkpoint.mode", "selective",
                     "--memory.tiled_loss", "false", "--training.compile", "true", "--training.compile_backend",
                     "aot_eager")
-    # ALST's memory switches and USP on the transformers path: every switch at once, ring 2 x ulysses 2.
+    # ALST's memory switches and USP on the transformers path: every switch at once, ring 2 x ulysses 2,
+    # full AC keeping the ring's attention kernel outputs (offloaded with the layer inputs).
     memory = _args(moe_dir, d / "memory", *_mesh(1, 1, 4), "--parallelism.ring", "2", "--activation_checkpoint.mode",
-                   "full", "--memory.tiled_mlp", "true", "--memory.mlp_tiles", "3", "--memory.offload_activations",
-                   "true", "--memory.offload_params", "true", "--checkpoint.enable", "false")
+                   "full", "--activation_checkpoint.save_attention", "true", "--memory.tiled_mlp", "true",
+                   "--memory.mlp_tiles", "3", "--memory.offload_activations", "true", "--memory.offload_params", "true",
+                   "--checkpoint.enable", "false")
     run_ranks(4, trainer_jobs, [(sharded, None),
                          (resumed, (d / "sharded" / "checkpoint" / "step-2", d / "resumed" / "checkpoint" / "step-2")),
                          (memory, None)])
@@ -130,7 +132,8 @@ def test_trajectories_equal_transformers_on_every_mesh_and_on_resume(moe_dir, ru
     runs_ = {"1 process": _rows(d / "single" / "metrics.jsonl"),
              "dp_shard 2 x sp 2, full AC, tiled loss, packed q/k/v": _rows(d / "sharded" / "metrics.jsonl"),
              "resumed at step 2 on HSDP 2 x sp 2, selective AC, compiled": _rows(d / "resumed" / "metrics.jsonl"),
-             "ring 2 x ulysses 2, tiled MLP, offloaded activations and parameters": _rows(d / "memory" / "metrics.jsonl")}
+             "ring 2 x ulysses 2, tiled MLP, attention kept, offloaded activations and parameters":
+                 _rows(d / "memory" / "metrics.jsonl")}
     worst = worst_norm = 0.0
     for name, rows in runs_.items():
         first = 3 if name.startswith("resumed") else 1
@@ -151,7 +154,7 @@ def test_trajectories_equal_transformers_on_every_mesh_and_on_resume(moe_dir, ru
     # The memory switches change what is kept, not what is logged: the same fields, the same
     # FLOPs per token, and the all-to-all share of the eager exchanges (ulysses 2) measured.
     plain, switched = runs_["dp_shard 2 x sp 2, full AC, tiled loss, packed q/k/v"], runs_[
-        "ring 2 x ulysses 2, tiled MLP, offloaded activations and parameters"]
+        "ring 2 x ulysses 2, tiled MLP, attention kept, offloaded activations and parameters"]
     assert [set(r) for r in switched] == [set(r) for r in plain]
     assert all(r["exchange_ms"] > 0 and 0 < r["exchange_share"] < 1 for r in switched), switched
 

@@ -220,6 +220,7 @@ def plan_memory(
     mem = cfg.memory
     features = {
         "ac": cfg.activation_checkpoint.mode,
+        "save_attention": cfg.activation_checkpoint.save_attention,
         "tiled_mlp": mem.tiled_mlp,
         "tiled_loss": mem.tiled_loss,
         "offload": mem.offload_activations,

@@ -1,2 +1,3 @@
 """The long-context memory switches: sequence tiling of the loss and the MLP,
-and checkpointed blocks whose saved inputs live in host memory."""
+checkpointed blocks whose saved inputs live in host memory, and full
+checkpointing that keeps the attention kernels' outputs (``save_attention``)."""

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from ..runtime.regions import in_region
+from .saved_attention import AttentionKeeping, KeptOutputs, take_kept_outputs
 
 __all__ = ["HostOffloader", "OffloadedCheckpointBlock"]
 
@@ -36,7 +37,9 @@ class HostOffloader:
     """Owns the host copies of block inputs and the order to prefetch them in.
 
     One instance is shared by all blocks of a model so that the backward of
-    block i can start fetching the input of block i-1.
+    block i can start fetching the input of block i-1. A slot holds a block's
+    input and, with ``save_attention``, the attention outputs its checkpoint
+    kept (:meth:`add`); they come back together.
     """
 
     def __init__(self, host_device: str | torch.device = "cpu") -> None:
@@ -60,33 +63,45 @@ class HostOffloader:
         return self._stream
 
     @in_region("offload.copy_out")
+    def _copy_out(self, slot: dict, x: Tensor) -> None:
+        stream = self._side_stream(x.device)
+        if self.host_device.type == "meta":
+            host, event = x.detach().to("meta"), None
+        elif stream is None:
+            # CPU compute: the "host copy" is a copy in the same memory; the
+            # code path (copy out, copy back, prefetch order) stays the same.
+            host, event = x.detach().clone(), None
+        else:
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):
+                host.copy_(x.detach(), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            # The device tensor must outlive the async copy.
+            x.record_stream(stream)
+        slot["host"].append((host, event))
+        self.offloaded_bytes += x.numel() * x.element_size()
+
     def offload(self, x: Tensor) -> int:
         """Start copying ``x`` to host memory; return a handle."""
         if self._slots and self.held == 0:
             # The previous step's backward consumed every slot: a new step.
             self._slots.clear()
             self.offloaded_bytes = 0
-        slot: dict = {"device": x.device}
-        stream = self._side_stream(x.device)
-        if self.host_device.type == "meta":
-            slot["host"] = x.detach().to("meta")
-        elif stream is None:
-            # CPU compute: the "host copy" is a copy in the same memory; the
-            # code path (copy out, copy back, prefetch order) stays the same.
-            slot["host"] = x.detach().clone()
-        else:
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(stream):
-                host.copy_(x.detach(), non_blocking=True)
-                slot["event"] = torch.cuda.Event()
-                slot["event"].record(stream)
-            # The device tensor must outlive the async copy.
-            x.record_stream(stream)
-            slot["host"] = host
-        self.offloaded_bytes += x.numel() * x.element_size()
+        slot: dict = {"device": x.device, "host": []}
+        self._copy_out(slot, x)
         self._slots.append(slot)
         return len(self._slots) - 1
+
+    def add(self, handle: int, tensors: list[Tensor]) -> None:
+        """Start copying ``tensors`` (on the block input's device) to host memory with
+        the block input of ``handle``; :meth:`fetch_all` returns them after it."""
+        slot = self._slots[handle]
+        for t in tensors:
+            if t.device != slot["device"]:
+                raise RuntimeError(f"a kept tensor on {t.device} beside a block input on {slot['device']}")
+            self._copy_out(slot, t)
 
     def release(self, handle: int) -> None:
         """Drop a host copy that no backward will fetch (nothing in the block needed grad)."""
@@ -99,21 +114,26 @@ class HostOffloader:
         slot = self._slots[handle]
         if "device_copy" in slot or "host" not in slot:
             return
-        stream = self._side_stream(slot["device"])
+        device = slot["device"]
+        stream = self._side_stream(device)
         if self.host_device.type == "meta":
-            slot["device_copy"] = slot["host"].to(slot["device"])
+            slot["device_copy"] = [h.to(device) for h, _ in slot["host"]]
             return
         if stream is None:
-            slot["device_copy"] = slot["host"]
+            slot["device_copy"] = [h for h, _ in slot["host"]]
             return
         with torch.cuda.stream(stream):
-            stream.wait_event(slot["event"])
-            slot["device_copy"] = slot["host"].to(slot["device"], non_blocking=True)
+            copies = []
+            for host, event in slot["host"]:
+                stream.wait_event(event)
+                copies.append(host.to(device, non_blocking=True))
+            slot["device_copy"] = copies
             slot["ready"] = torch.cuda.Event()
             slot["ready"].record(stream)
 
-    def fetch(self, handle: int) -> Tensor:
-        """Return the block input on its device, and prefetch the previous block's."""
+    def fetch_all(self, handle: int) -> list[Tensor]:
+        """The block input and what :meth:`add` put beside it, on their device; the
+        previous block's start coming back."""
         self._start_fetch(handle)
         slot = self._slots[handle]
         if "device_copy" not in slot:
@@ -122,31 +142,66 @@ class HostOffloader:
                 "backward ran twice (retain_graph=True is not supported with offload_activations)"
             )
         if "ready" in slot:
-            torch.cuda.current_stream(slot["device"]).wait_event(slot["ready"])
-            slot["device_copy"].record_stream(torch.cuda.current_stream(slot["device"]))
+            current = torch.cuda.current_stream(slot["device"])
+            current.wait_event(slot.pop("ready"))
+            for t in slot["device_copy"]:
+                t.record_stream(current)
         if handle > 0:
             self._start_fetch(handle - 1)
-        x = slot.pop("device_copy")
+        out = slot.pop("device_copy")
         slot.pop("host", None)
-        return x
+        return out
+
+    def fetch(self, handle: int) -> Tensor:
+        """Return the block input on its device, and prefetch the previous block's."""
+        return self.fetch_all(handle)[0]
 
 
 class _BlockInput:
     """What the checkpointed function reads as the block input: the tensor itself
     the first time (forward), the host copy brought back every later time (the
     recomputation in backward). Holding no reference after forward is what lets
-    the device tensor go."""
+    the device tensor go. With ``save_attention`` it also brings back the
+    attention outputs the checkpoint kept, into the checkpoint's storage."""
 
     def __init__(self, x: Tensor, handle: int, offloader: HostOffloader):
         self._x, self._handle, self._offloader = x, handle, offloader
         # The recomputation must save what forward saved, which depends on it.
         self._requires_grad = x.requires_grad
+        self._fetched: Tensor | None = None
+        self.kept: KeptOutputs | None = None  # set after forward with save_attention
+
+    def fetch(self) -> None:
+        """Bring the block input (and the kept outputs) back from the host."""
+        if self._fetched is None:
+            x, *kept = self._offloader.fetch_all(self._handle)
+            if self.kept is not None:
+                self.kept.put_back(kept)
+            self._fetched = x.detach().requires_grad_(self._requires_grad)
 
     def get(self) -> Tensor:
         if self._x is not None:
             x, self._x = self._x, None
             return x
-        return self._offloader.fetch(self._handle).detach().requires_grad_(self._requires_grad)
+        self.fetch()
+        x, self._fetched = self._fetched, None
+        return x
+
+
+class _FetchFirst:
+    """The recompute context of a checkpoint that keeps attention outputs: the host
+    copies come back BEFORE torch's recompute mode is entered, for that mode would
+    take the copies themselves for ops of the block, and reads the kept outputs."""
+
+    def __init__(self, replay, source: _BlockInput):
+        self._replay, self._source = replay, source
+
+    def __enter__(self):
+        self._source.fetch()
+        return self._replay.__enter__()
+
+    def __exit__(self, *exc):
+        return self._replay.__exit__(*exc)
 
 
 def _run_block(block: nn.Module, source: _BlockInput, *args, **kwargs):
@@ -162,12 +217,18 @@ class OffloadedCheckpointBlock(ActivationWrapper):
     (the base of PyTorch's ``checkpoint_wrapper``) it keeps parameter and
     state-dict names free of the wrapper, so checkpoints load with or without
     offload.
+
+    ``keep``: an :class:`~.saved_attention.AttentionKeeping` (``save_attention``):
+    the attention kernels' outputs are kept from forward, not recomputed, and
+    offloaded with the block input.
     """
 
-    def __init__(self, block: nn.Module, offloader: HostOffloader, preserve_rng_state: bool = False):
+    def __init__(self, block: nn.Module, offloader: HostOffloader, preserve_rng_state: bool = False,
+                 keep: AttentionKeeping | None = None):
         super().__init__(block)
         self.offloader = offloader
         self.preserve_rng_state = preserve_rng_state
+        self.keep = keep
 
     def forward(self, *args, **kwargs):
         block = self._checkpoint_wrapped_module
@@ -183,8 +244,29 @@ class OffloadedCheckpointBlock(ActivationWrapper):
         handle = self.offloader.offload(x)
         source = _BlockInput(x, handle, self.offloader)
         del x
+        options = {}
+        modes: list = []
+        kept_before = self.keep.kept if self.keep is not None else 0
+        if self.keep is not None:
+            def contexts():
+                keep_mode, replay = self.keep.contexts()
+                modes.append(keep_mode)
+                return keep_mode, _FetchFirst(replay, source)
+
+            options["context_fn"] = contexts
         out = checkpoint(_run_block, block, source, *args, use_reentrant=False,
-                         preserve_rng_state=self.preserve_rng_state, **kwargs)
+                         preserve_rng_state=self.preserve_rng_state, **options, **kwargs)
         if not any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(out)):
             self.offloader.release(handle)  # no backward will come for it
+        elif modes:
+            # What the checkpoint kept goes to the host with the block input.
+            kept = take_kept_outputs(modes[0].storage)
+            if kept.entries != self.keep.kept - kept_before:
+                raise RuntimeError(
+                    f"save_attention with offload_activations: the checkpoint kept {self.keep.kept - kept_before} "
+                    f"attention outputs, of which {kept.entries} were found in its storage: torch "
+                    f"{torch.__version__} keeps them in a layout ulysses_dtensor.memory.saved_attention does not "
+                    "read. Run without offload_activations, or without save_attention")
+            source.kept = kept
+            self.offloader.add(handle, kept.hand_over())
         return out

@@ -11,7 +11,9 @@ Order, per transformer block, and why:
    With ``ring > 1`` (USP) the inner module is first replaced by ring
    attention over the ring mesh, and Ulysses runs over the ulysses mesh.
 2. **Activation checkpointing** wraps the block, so that compile (next) sees
-   the checkpoint region and the recompute policy goes into the graph.
+   the checkpoint region and the recompute policy goes into the graph. With
+   ``save_attention`` full AC keeps the attention kernel's outputs
+   (:mod:`~ulysses_dtensor.memory.saved_attention`).
 3. **torch.compile** (``fullgraph=True``) wraps the checkpointed block. The
    whole block, both all-to-alls included, is one graph.
 4. **FSDP2** ``fully_shard`` on the embedding, each (compiled) block, the
@@ -49,6 +51,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ..memory.offload import HostOffloader, OffloadedCheckpointBlock
+from ..memory.saved_attention import (
+    AttentionKeeping,
+    attention_keeping,
+    is_attention_kernel,
+)
 from ..parallel.mesh import ParallelMesh
 from ..parallel.ring import RingAttention
 from ..parallel.tensor_parallel import LLAMA_TP_PLAN, check_tp_heads, tensor_parallelize
@@ -78,6 +85,7 @@ def parallelize_llama(
     loss_chunks: int | None = None,
     offload_activations: bool = False,
     offload_params: bool = False,
+    save_attention: bool = False,
 ) -> nn.Module:
     """Parallelize ``model`` (a :class:`~ulysses_dtensor.models.llama.Llama`) in place.
 
@@ -109,6 +117,13 @@ def parallelize_llama(
         offload_activations: with ``ac_mode="full"``, keep each block's input
             in pinned host memory between forward and backward
             (``model.offloader`` reports the bytes).
+        save_attention: with ``ac_mode="full"``, keep each block's attention
+            kernel outputs (output and log-sum-exp) from forward: the
+            recompute runs everything else, the exchange included, but not
+            the attention forward. With ``offload_activations`` they go to the
+            host with the block input. ``model.attention_keeping`` counts what
+            was kept; a forward that kept nothing (attention not run as one
+            kernel: see :mod:`~ulysses_dtensor.memory.saved_attention`) warns once.
         offload_params: keep the parameter shards, their gradients and the
             optimizer state in host memory (FSDP2 ``CPUOffloadPolicy``,
             pinned on CUDA): each group is copied to the device for its
@@ -126,7 +141,7 @@ def parallelize_llama(
     if compile and isinstance(compile_backend, str):
         _check_compile_backend(compile_backend)
 
-    check_memory_options(ac_mode, mlp_tiles, offload_activations, loss_chunks)
+    check_memory_options(ac_mode, mlp_tiles, offload_activations, loss_chunks, save_attention)
 
     dims = pmesh.dims
     ring = getattr(dims, "ring", 1)
@@ -151,6 +166,7 @@ def parallelize_llama(
     _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks)
     offloader = HostOffloader() if offload_activations else None
     model.offloader = offloader
+    keep = attention_keeping(model, save_attention)
     rng = needs_rng_replay(model)
 
     for layer_id, block in list(layers.named_children()):
@@ -159,9 +175,10 @@ def parallelize_llama(
             # streams are not traceable, the block is.
             if compile:
                 block = torch.compile(block, fullgraph=True, backend=compile_backend)
-            layers.register_module(layer_id, OffloadedCheckpointBlock(block, offloader, preserve_rng_state=rng))
+            layers.register_module(layer_id, OffloadedCheckpointBlock(block, offloader, preserve_rng_state=rng,
+                                                                      keep=keep))
             continue
-        block = checkpoint_block(block, int(layer_id), ac_mode, every_k, preserve_rng_state=rng)
+        block = checkpoint_block(block, int(layer_id), ac_mode, every_k, preserve_rng_state=rng, keep=keep)
         if compile:
             block = torch.compile(block, fullgraph=True, backend=compile_backend)
         layers.register_module(layer_id, block)
@@ -192,11 +209,14 @@ def needs_rng_replay(model: nn.Module) -> bool:
 
 
 def checkpoint_block(block: nn.Module, index: int, ac_mode: str, every_k: int | None,
-                     preserve_rng_state: bool = False) -> nn.Module:
+                     preserve_rng_state: bool = False, keep: AttentionKeeping | None = None) -> nn.Module:
     """Block ``index`` as activation checkpointing wraps it: every block (``full``),
     op-level selective (``selective``, ``every_k`` None), or every k-th block fully.
     ``preserve_rng_state``: the recomputation replays forward's RNG (blocks with
-    dropout, :func:`needs_rng_replay`); off otherwise, as it costs a state copy per block."""
+    dropout, :func:`needs_rng_replay`); off otherwise, as it costs a state copy per block.
+    ``keep`` (``save_attention``, full AC): the attention kernels' outputs are kept."""
+    if ac_mode == "full" and keep is not None:
+        return _checkpoint(block, preserve_rng_state, context_fn=keep.contexts)
     if ac_mode == "full" or (ac_mode == "selective" and every_k is not None and (index + 1) % every_k == 0):
         return _checkpoint(block, preserve_rng_state)
     if ac_mode == "selective" and every_k is None:
@@ -242,7 +262,8 @@ def shard_model(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
 
-def check_memory_options(ac_mode: str, mlp_tiles, offload_activations: bool, loss_chunks=None) -> None:
+def check_memory_options(ac_mode: str, mlp_tiles, offload_activations: bool, loss_chunks=None,
+                         save_attention: bool = False) -> None:
     """The memory switches' own rules, shared by every model this package parallelizes."""
     for name, value in (("mlp_tiles", mlp_tiles), ("loss_chunks", loss_chunks)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -251,6 +272,12 @@ def check_memory_options(ac_mode: str, mlp_tiles, offload_activations: bool, los
         raise ValueError(
             f"offload_activations=True needs ac_mode='full' (it offloads the block inputs that "
             f"full checkpointing keeps), got ac_mode={ac_mode!r}"
+        )
+    if save_attention and ac_mode != "full":
+        raise ValueError(
+            f"save_attention=True needs ac_mode='full' (it keeps the attention outputs that full checkpointing "
+            f"would recompute; ac_mode='selective' with selective_ac='op' keeps them already), got "
+            f"ac_mode={ac_mode!r}"
         )
 
 
@@ -309,18 +336,9 @@ def _checkpoint(block: nn.Module, preserve_rng_state: bool = False, **kwargs) ->
 
 
 def _sac_save_ops() -> set:
-    ops = set()
-    aten = torch.ops.aten
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_flash_attention_forward",
-        "max",
-    ):
-        if hasattr(aten, name):
-            ops.add(getattr(aten, name).default)
+    """Ops the selective "op" policy saves besides the attention kernels
+    (:func:`~ulysses_dtensor.memory.saved_attention.is_attention_kernel`)."""
+    ops = {torch.ops.aten.max.default}
     # The Ulysses exchange: saving its outputs keeps recompute communication-free.
     for ns in ("_c10d_functional", "_c10d_functional_autograd"):
         lib = getattr(torch.ops, ns)
@@ -350,7 +368,9 @@ def _op_sac_context():
             if counts[key] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+        if func in save or is_attention_kernel(func):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 

@@ -126,6 +126,7 @@ def build_model(
         loss_chunks=cfg.memory.loss_chunks or None,
         offload_activations=cfg.memory.offload_activations,
         offload_params=cfg.memory.offload_params,
+        save_attention=ac.save_attention,
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if cfg.memory.offload_params else device)

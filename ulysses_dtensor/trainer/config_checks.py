@@ -219,6 +219,13 @@ def check_values(cfg: JobConfig) -> None:
             f"(got {cfg.activation_checkpoint.mode!r}): it offloads the block inputs that "
             f"full checkpointing keeps"
         )
+    if cfg.activation_checkpoint.save_attention and cfg.activation_checkpoint.mode != "full":
+        raise ConfigError(
+            f"activation_checkpoint.save_attention=true needs activation_checkpoint.mode='full' "
+            f"(got {cfg.activation_checkpoint.mode!r}): it keeps the attention outputs that full checkpointing "
+            f"would recompute. Set mode='full', or save_attention=false (mode='selective' with selective='op' "
+            f"keeps them already)"
+        )
     if not cfg.job.dump_folder:
         raise ConfigError("job.dump_folder must not be empty")
     if Path(cfg.checkpoint.folder).is_absolute() or ".." in Path(cfg.checkpoint.folder).parts:

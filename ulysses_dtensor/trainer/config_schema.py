@@ -195,6 +195,10 @@ class Comm:
 class ActivationCheckpoint:
     mode: str = _f("none", "activation checkpointing", ("none", "full", "selective"))
     selective: str = _f("op", "selective AC: 'op' (save matmuls) or every Nth layer, e.g. '2'")
+    save_attention: bool = _f(
+        False, "with mode='full': keep each layer's attention kernel output and log-sum-exp from forward "
+               "(offloaded with the layer input under memory.offload_activations) instead of recomputing the "
+               "attention forward; everything else is recomputed")
 
 
 @dataclass

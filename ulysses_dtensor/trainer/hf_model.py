@@ -247,6 +247,7 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
         offload_activations=mem.offload_activations,
         offload_params=mem.offload_params,
         allow_untested=cfg.model.allow_untested,
+        save_attention=ac.save_attention,
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if mem.offload_params else device)

@@ -183,6 +183,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"(tokenizer {tokenizer.vocab_size})\n"
         f"  attention: {_attention_banner(cfg, vocab_size, device)}\n"
         f"  implementation {_implementation_banner(cfg)}\n"
+        f"  {_checkpointing_banner(cfg)}\n"
         + _family_banner(model) + _mixer_banner(model, device, cfg) +
         f"{_lora_banner(cfg, model, trained, n_params)}"
         f"  {data.banner(schedule, loader.source_tokens())}\n  {data.packing_banner()}\n  {data.loading_banner()}\n"
@@ -341,6 +342,22 @@ def _implementation_banner(cfg: JobConfig) -> str:
 
     impl = resolve_implementation(cfg)
     return f"{impl.name} ({impl.reason})"
+
+
+def _checkpointing_banner(cfg: JobConfig) -> str:
+    ac, mem = cfg.activation_checkpoint, cfg.memory
+    if ac.mode == "none":
+        return "activation checkpointing off"
+    if ac.mode == "selective":
+        what = ("op: attention, exchanges and every other matmul saved" if ac.selective == "op"
+                else f"one layer in {ac.selective} fully")
+        return f"activation checkpointing selective ({what})"
+    kept = ("; attention kernel outputs kept from forward, not recomputed (save_attention)"
+            if ac.save_attention else "")
+    moved = ""
+    if mem.offload_activations:
+        moved = "; layer inputs" + (" and kept attention outputs" if ac.save_attention else "") + " offloaded to host"
+    return f"activation checkpointing full{kept}{moved}"
 
 
 def _family_banner(model) -> str:

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from ulysses_dtensor.attention import check_backend
 from ulysses_dtensor.memory.offload import HostOffloader, OffloadedCheckpointBlock
+from ulysses_dtensor.memory.saved_attention import attention_keeping
 from ulysses_dtensor.models.llama_parallelize import (
     AC_MODES,
     _check_compile_backend,
@@ -129,6 +130,7 @@ def parallelize_hf_model(
     offload_activations: bool = False,
     offload_params: bool = False,
     allow_untested: bool = False,
+    save_attention: bool = False,
 ) -> nn.Module:
     """Apply Ulysses SP, activation checkpointing, compile and FSDP2 to ``model`` in place.
 
@@ -158,6 +160,11 @@ def parallelize_hf_model(
             (``model.offloader`` reports the bytes; :mod:`~ulysses_dtensor.memory.offload`).
         offload_params: FSDP2 ``CPUOffloadPolicy`` (parameter shards, gradients
             and optimizer state in host memory; see ``parallelize_llama``).
+        save_attention: with ``ac_mode="full"``, keep the attention kernel's
+            outputs from forward instead of recomputing them, offloaded with the
+            layer input under ``offload_activations`` (see ``parallelize_llama``;
+            the ``sdpa`` backend's soft-cap / sinks path is not one kernel and is
+            recomputed, with a warning).
         allow_untested: skip the family check. By default a family must pass the
             family matrix for the installed transformers (:mod:`~ulysses_dtensor.integrations.hf.matrix.results`; a family
             it refused is refused with its reason), or, when the matrix has not measured
@@ -188,7 +195,7 @@ def parallelize_hf_model(
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
     every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
-    check_memory_options(ac_mode, mlp_tiles, offload_activations)
+    check_memory_options(ac_mode, mlp_tiles, offload_activations, save_attention=save_attention)
     blocks = per_token_blocks(name, layers) if tiled_mlp else []
     if ring > 1:
         check_ring_model(model, attentions, linear, attn_backend, ring)
@@ -251,14 +258,15 @@ def parallelize_hf_model(
     # and side streams are not traceable, the layer is.
     fullgraph = bool(getattr(model, "_can_compile_fullgraph", False))
     model.offloader = HostOffloader() if offload_activations else None
+    keep = attention_keeping(model, save_attention)
     rng = needs_rng_replay(model)  # dropout (LoRA's): recomputation replays forward's masks
     for i, layer in enumerate(layers):
         if model.offloader is None:
-            layer = checkpoint_block(layer, i, ac_mode, every_k, preserve_rng_state=rng)
+            layer = checkpoint_block(layer, i, ac_mode, every_k, preserve_rng_state=rng, keep=keep)
         if compile:
             layer.compile(backend=compile_backend, fullgraph=fullgraph)
         if model.offloader is not None:
-            layer = OffloadedCheckpointBlock(layer, model.offloader, preserve_rng_state=rng)
+            layer = OffloadedCheckpointBlock(layer, model.offloader, preserve_rng_state=rng, keep=keep)
         layers[i] = layer
 
     # 4. FSDP2 / HSDP, one group per decoder layer.
