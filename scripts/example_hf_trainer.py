@@ -54,9 +54,14 @@ class ScriptArguments:
         "help": "also predict the evaluation documents (trainer.predict: logits of whole sequences)"})
 
 
+def build_parser() -> HfArgumentParser:
+    return HfArgumentParser((ScriptArguments, TrainingArguments, UlyssesArguments))
+
+
 def parse_args(argv=None):
-    parser = HfArgumentParser((ScriptArguments, TrainingArguments, UlyssesArguments))
-    return parser.parse_args_into_dataclasses(args=argv)
+    """The command line's flags, checked (the dataclasses, built in ``main``, also check the
+    machine: ``--bf16`` needs a GPU)."""
+    return build_parser().parse_args(argv)
 
 
 def documents(source: str, tokenizer, count: int, max_length: int) -> list[list[int]]:
@@ -76,7 +81,7 @@ def documents(source: str, tokenizer, count: int, max_length: int) -> list[list[
 
 def main(argv=None) -> dict:
     """Train (evaluate with --do_eval, predict with --predict), save; return what a test compares."""
-    script, training_args, ulysses_args = parse_args(argv)
+    script, training_args, ulysses_args = build_parser().parse_args_into_dataclasses(args=argv)
     tokenizer = AutoTokenizer.from_pretrained(script.model_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -52,9 +52,14 @@ class ScriptArguments:
         "help": "also predict the evaluation examples (trainer.predict: logits of whole sequences)"})
 
 
+def build_parser() -> HfArgumentParser:
+    return HfArgumentParser((ScriptArguments, SFTConfig, UlyssesArguments))
+
+
 def parse_args(argv=None):
-    parser = HfArgumentParser((ScriptArguments, SFTConfig, UlyssesArguments))
-    return parser.parse_args_into_dataclasses(args=argv)
+    """The command line's flags, checked (the dataclasses, built in ``main``, also check the
+    machine: ``--bf16`` needs a GPU)."""
+    return build_parser().parse_args(argv)
 
 
 def examples(source: str, count: int, max_chars: int) -> list[dict]:
@@ -72,7 +77,7 @@ def examples(source: str, count: int, max_chars: int) -> list[dict]:
 
 def main(argv=None) -> dict:
     """Train (evaluate with --do_eval, predict with --predict), save; return what a test compares."""
-    script, sft_config, ulysses_args = parse_args(argv)
+    script, sft_config, ulysses_args = build_parser().parse_args_into_dataclasses(args=argv)
     tokenizer = AutoTokenizer.from_pretrained(script.model_dir)
     model = AutoModelForCausalLM.from_pretrained(script.model_dir, dtype=torch.float32)
     peft_config = None

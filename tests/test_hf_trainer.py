@@ -327,7 +327,7 @@ def test_sft_script_same_losses_on_every_mesh(model_dirs, tmp_path):
     # The adapter loads with peft on the base model and gives the trained logits.
     family = SFT_CASES["LoRA + packing"][0]
     out = tmp_path / "s-LoRA-packing-dp_shard2xsp2"
-    assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+    assert (out / "adapter_model.safetensors").is_file() and not list(out.glob("model*.safetensors"))
     _assert_from_pretrained_logits(out, got[("LoRA + packing", "dp_shard 2 x sp 2")], base=model_dirs[family])
 
 
@@ -372,6 +372,24 @@ def test_sft_lora_sp2_checkpoints_and_resumes(tmp_path):
     later = range(2, STEPS + 1)
     _assert_same_losses({s: again["losses"][s] for s in later}, {s: whole["losses"][s] for s in later}, "resumed")
     assert (tmp_path / "sft" / "adapter_model.safetensors").is_file()
+
+
+def test_accelerate_launch_runs_the_sft_script_alone(model_dirs, tmp_path):
+    """``accelerate launch`` (one CPU process: no launcher's process group, the trainer makes a
+    world of one) trains, logs and saves."""
+    import subprocess
+
+    out = tmp_path / "launched"
+    argv = _common(out, model_dirs["llama"], GLOBAL_ROWS, "--max_length", "64", "--bf16", "false", "--num_docs", "8")
+    env = {**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--cpu",
+                           "--num_processes", "1", str(SFT_SCRIPT), *argv], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("losses "))
+    losses = eval(line.split(";")[0].removeprefix("losses "))  # noqa: S307 - the script's own printout
+    assert sorted(losses) == list(range(1, STEPS + 1)) and all(math.isfinite(v) for v in losses.values()), line
+    assert (out / "config.json").is_file() and list(out.glob("model*.safetensors")), sorted(out.iterdir())
 
 
 # -- what cannot run is refused, by name ------------------------------------------------------------

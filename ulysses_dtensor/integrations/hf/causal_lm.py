@@ -3,7 +3,7 @@
 The trainer, its ``train_step``, the evaluator and the memory planner call a
 model as they call :class:`~ulysses_dtensor.models.llama.Llama`::
 
-    loss  = model(ids, position_ids=, document_ids=, labels=, num_valid_tokens=)
+    loss  = model(ids, position_ids=, document_ids=, labels=, num_valid_tokens=, seq_len=)
     logit = model(ids, position_ids=, document_ids=)
     h     = model.hidden_states(ids, position_ids=, document_ids=)   # final normed states
     logit = model.output(h)                 # the head; model.output.weight: (vocab, dim)

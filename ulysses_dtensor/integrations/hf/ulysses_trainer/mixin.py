@@ -78,9 +78,13 @@ def _ensure_process_group(device: torch.device) -> None:
                                 world_size=1)
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _check_same_weights(model: nn.Module, device: torch.device) -> None:
-    """ValueError naming the first parameter whose values differ between ranks: each
-    rank shards its OWN copy, so differing copies would train a chimera."""
+    """ValueError naming the first parameter whose values differ between ranks: each rank
+    shards its OWN copy, so differing copies would train a chimera. Compared by the sum of
+    each parameter's bits as integers (exact whatever the summation order)."""
     params = list(model.named_parameters())
     meta = [n for n, p in params if p.is_meta]
     if meta:
@@ -88,8 +92,8 @@ def _check_same_weights(model: nn.Module, device: torch.device) -> None:
                          "the weights the model holds; load them (from_pretrained) before building the trainer")
     if dist.get_world_size() == 1:
         return
-    sums = torch.stack([p.detach().double().sum() for _, p in params]).to(device)
-    low, high = sums.clone(), sums.clone()
+    sums = torch.stack([p.detach().view(_BITS[p.element_size()]).sum(dtype=torch.int64) for _, p in params])
+    low, high = sums.to(device), sums.to(device).clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     differ = (low != high).nonzero()
@@ -97,6 +101,52 @@ def _check_same_weights(model: nn.Module, device: torch.device) -> None:
         raise ValueError(
             f"the model's weights differ between ranks (first: {params[int(differ[0])][0]}): every rank must build "
             "the same model -- from_pretrained, or set_seed(...) before from_config and get_peft_model")
+
+
+def _accelerator_settings(trainer) -> tuple[str, str | None]:
+    """(mixed precision, dynamo backend) the Trainer's accelerator settled on (an ``accelerate
+    launch`` configuration can set them), or ValueError for one this trainer cannot honour."""
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        engine = "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP"
+        raise ValueError(f"the accelerate configuration enables {engine} (accelerate launch --config_file / "
+                         "ACCELERATE_USE_* variables): UlyssesTrainer shards the model with FSDP2 itself; launch "
+                         "with a plain multi-process configuration")
+    precision = str(getattr(trainer.accelerator, "mixed_precision", "no"))
+    if precision not in ("no", "bf16"):
+        raise ValueError(f"the accelerate configuration sets mixed_precision={precision!r}: UlyssesTrainer runs "
+                         "float32 or bf16 (FSDP2 mixed precision with float32 master weights); use bf16")
+    dynamo = trainer.accelerator.state.dynamo_plugin
+    return precision, None if dynamo is None else str(getattr(dynamo.backend, "value", dynamo.backend)).lower()
+
+
+def _build_mesh(ua: UlyssesArguments, device: torch.device):
+    _ensure_process_group(device)
+    world = dist.get_world_size()
+    try:
+        dims = ParallelDims(dp_replicate=ua.dp_replicate_size, dp_shard=ua.dp_shard_size, sp=ua.sp_size,
+                            ring=ua.ring_size, world_size=world)
+    except ValueError as e:
+        raise ValueError(f"UlyssesArguments(dp_replicate_size={ua.dp_replicate_size}, dp_shard_size="
+                         f"{ua.dp_shard_size}, sp_size={ua.sp_size}, ring_size={ua.ring_size}) on {world} processes: "
+                         f"{e}") from None
+    return dims.build_mesh(device.type)
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model to parallelize (a peft model's base), or the reason it cannot be."""
+    from transformers import PreTrainedModel
+
+    inner = model.get_base_model() if _is_peft(model) else model
+    if not isinstance(inner, PreTrainedModel):
+        raise TypeError(f"UlyssesTrainer trains a transformers PreTrainedModel (or a peft model of one), got "
+                        f"{type(inner).__name__}")
+    if getattr(inner, "hf_device_map", None) is not None:
+        raise ValueError("the model was loaded with a device_map (split across devices): load it with "
+                         "device_map=None; FSDP2 places each rank's shards on its device")
+    if getattr(inner, "quantization_method", None) is not None:
+        raise ValueError(f"a quantized model ({inner.quantization_method}) is not supported by UlyssesTrainer: "
+                         "FSDP2 shards floating-point parameters")
+    return inner
 
 
 class UlyssesTrainerMixin:
@@ -131,42 +181,17 @@ class UlyssesTrainerMixin:
             raise ValueError("UlyssesTrainer needs model=: model_init= would build the model inside train(), "
                              "after the model must already be sharded")
         super().create_accelerator_and_postprocess()
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
-            raise ValueError(f"the accelerate configuration enables {engine} (accelerate launch --config_file / "
-                             "ACCELERATE_USE_* variables): UlyssesTrainer shards the model with FSDP2 itself; launch "
-                             "with a plain multi-process configuration")
-        precision = str(getattr(self.accelerator, "mixed_precision", "no"))
-        if precision not in ("no", "bf16"):
-            raise ValueError(f"the accelerate configuration sets mixed_precision={precision!r}: UlyssesTrainer runs "
-                             "float32 or bf16 (FSDP2 mixed precision with float32 master weights); use bf16")
-        dynamo = self.accelerator.state.dynamo_plugin
-        backend = None if dynamo is None else str(getattr(dynamo.backend, "value", dynamo.backend)).lower()
+        precision, backend = _accelerator_settings(self)
         options = parallelize_options(self.args, self.ulysses_args, mixed_precision=precision,
                                       dynamo_backend=backend)
-        # Ours from here (per decoder layer, inside the FSDP2 groups): transformers' own would go on top.
+        # Checkpointing is ours from here (per decoder layer, inside the FSDP2 groups); the
+        # Trainer would put transformers' own on top in train().
         self.args.activation_checkpointing = False
-        device = self.args.device
-        _ensure_process_group(device)
-        ua = self.ulysses_args
-        try:
-            dims = ParallelDims(dp_replicate=ua.dp_replicate_size, dp_shard=ua.dp_shard_size, sp=ua.sp_size,
-                                ring=ua.ring_size, world_size=dist.get_world_size())
-        except ValueError as e:
-            raise ValueError(f"UlyssesArguments(dp_replicate_size={ua.dp_replicate_size}, dp_shard_size="
-                             f"{ua.dp_shard_size}, sp_size={ua.sp_size}, ring_size={ua.ring_size}) on "
-                             f"{dist.get_world_size()} processes: {e}") from None
-        self.pmesh = dims.build_mesh(device.type)
+        self.pmesh = _build_mesh(self.ulysses_args, self.args.device)
         make_sp_accelerator(self.accelerator, self.pmesh)
         self.gather_function = self.accelerator.gather_for_metrics
-        model = self.model
-        self._sp_model = model.get_base_model() if _is_peft(model) else model
-        from transformers import PreTrainedModel
-
-        if not isinstance(self._sp_model, PreTrainedModel):
-            raise TypeError(f"UlyssesTrainer trains a transformers PreTrainedModel (or a peft model of one), got "
-                            f"{type(self._sp_model).__name__}")
-        _check_same_weights(self._sp_model, device)
+        self._sp_model = _transformers_model(self.model)
+        _check_same_weights(self._sp_model, self.args.device)
         parallelize_hf_model(self._sp_model, self.pmesh, **options)
 
     def _check_trainer_objects(self) -> None:
