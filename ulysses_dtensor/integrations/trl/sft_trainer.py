@@ -31,18 +31,15 @@ from ulysses_dtensor.parallel.loss import global_loss
 
 from ..hf.ulysses_trainer.mixin import UlyssesTrainerMixin
 
+try:
+    from trl import SFTTrainer
+except ImportError as e:  # pragma: no cover - the trl extra is absent
+    raise ImportError("UlyssesSFTTrainer needs TRL: pip install 'ulysses-dtensor[trl]'") from e
+
 __all__ = ["UlyssesSFTTrainer"]
 
 
-def _sft_trainer_class():
-    try:
-        from trl import SFTTrainer
-    except ImportError as e:  # pragma: no cover - the trl extra is absent
-        raise ImportError("UlyssesSFTTrainer needs TRL: pip install 'ulysses-dtensor[trl]'") from e
-    return SFTTrainer
-
-
-class UlyssesSFTTrainer(UlyssesTrainerMixin, _sft_trainer_class()):
+class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
     """TRL's ``SFTTrainer`` with Ulysses SP, FSDP2 / HSDP and the memory switches
     (``ulysses_args=UlyssesArguments(...)``); see the module doc for what differs."""
 

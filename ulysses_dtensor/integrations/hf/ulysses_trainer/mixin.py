@@ -37,6 +37,8 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PreTrainedModel
+from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME, Trainer
 
 from ulysses_dtensor.parallel.loss import count_valid_tokens, global_loss
 from ulysses_dtensor.parallel.mesh import ParallelDims
@@ -134,8 +136,6 @@ def _build_mesh(ua: UlyssesArguments, device: torch.device):
 
 def _transformers_model(model: nn.Module) -> nn.Module:
     """The transformers model to parallelize (a peft model's base), or the reason it cannot be."""
-    from transformers import PreTrainedModel
-
     inner = model.get_base_model() if _is_peft(model) else model
     if not isinstance(inner, PreTrainedModel):
         raise TypeError(f"UlyssesTrainer trains a transformers PreTrainedModel (or a peft model of one), got "
@@ -252,7 +252,9 @@ class UlyssesTrainerMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """This rank's share of the token mean over the step (``num_items_in_batch``: the
-        step's targets over every rank), or over this micro-batch when it is not given."""
+        step's targets over every rank), or over this micro-batch when it is not given.
+        With ``return_outputs`` the outputs are None: no rank holds a whole sequence's logits
+        (``prediction_step`` gathers them)."""
         lm = self.causal_lm()
         batch = self._sp_inputs(inputs, need_labels=True)
         local, labels = shard_hf_batch(batch, self.pmesh.sp)
@@ -301,8 +303,6 @@ class UlyssesTrainerMixin:
         else:
             save_full_model(self._sp_model, output_dir)
         if self.args.should_save:  # what the Trainer's own save writes beside the model
-            from transformers.trainer import TRAINING_ARGS_NAME
-
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
@@ -311,8 +311,6 @@ class UlyssesTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_training_state(self.model, self.optimizer, output_dir, with_params=_is_peft(self.model))
         if self.args.should_save:
-            from transformers.trainer import SCHEDULER_NAME
-
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -329,19 +327,11 @@ class UlyssesTrainerMixin:
                            STATE_DIR)
             return
         load_optimizer(self.model, self.optimizer, checkpoint)
-        from transformers.trainer import SCHEDULER_NAME
-
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 
-def _trainer_class():
-    from transformers import Trainer
-
-    return Trainer
-
-
-class UlyssesTrainer(UlyssesTrainerMixin, _trainer_class()):
+class UlyssesTrainer(UlyssesTrainerMixin, Trainer):
     """transformers' ``Trainer`` with Ulysses SP, FSDP2 / HSDP and the memory switches
     (``ulysses_args=UlyssesArguments(...)``); everything else is the Trainer's."""
