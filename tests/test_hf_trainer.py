@@ -70,6 +70,12 @@ MESHES = {
     # HSDP (replicated over 2, sharded over sp) with ring attention (ring 2 x ulysses 1).
     "dp_replicate 2 x ring 2": (["--sp_size", "2", "--ring_size", "2", "--dp_replicate_size", "2"], 2),
 }
+# The memory switches on some runs (the numbers must not move): tiled MLP (MoE blocks) and
+# tiled loss; checkpointed layers' inputs in host memory.
+MEMORY_SWITCHES = {
+    ("Trainer", "qwen3_moe", "sp 4"): ["--tiled_mlp", "--mlp_tiles", "3", "--loss_chunks", "3"],
+    ("SFT", "padded rows", "dp_shard 2 x sp 2"): ["--offload_activations", "--tiled_mlp", "--loss_chunks", "2"],
+}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 # accelerate reads a launcher's variables; the pooled ranks' group is up already (never used to connect).
 LAUNCHER = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -202,7 +208,7 @@ def _trainer_runs(tmp: Path, dirs: dict, world: int) -> dict:
     for family in FAMILIES:
         for mesh in MESHES if family == "llama" else ("dp_shard 2 x sp 2", "sp 4"):
             flags, dp = MESHES[mesh]
-            extra = [*flags]
+            extra = [*flags, *MEMORY_SWITCHES.get(("Trainer", family, mesh), [])]
             if mesh == "dp_shard 2 x sp 2":  # evaluated and predicted; Llama's checkpointed after every step
                 extra += ["--do_eval", "--predict", "true"]
                 if family == "llama":
@@ -297,7 +303,7 @@ def _sft_runs(tmp: Path, dirs: dict, world: int) -> dict:
             continue
         for mesh in ("dp_shard 2 x sp 2", "sp 4"):
             flags_, dp = MESHES[mesh]
-            extra = [*common, *flags_]
+            extra = [*common, *flags_, *MEMORY_SWITCHES.get(("SFT", case, mesh), [])]
             if mesh == "dp_shard 2 x sp 2":
                 extra += ["--do_eval"]
                 if case == "LoRA + packing":
