@@ -6,21 +6,24 @@ The scripts are the shipped examples (``scripts/example_hf_trainer.py``,
 gloo ranks: a world of 1 for the reference, a world of 4 for the meshes. Tiny models
 (hidden 32, 2-4 layers, 4 heads / 2 kv heads, a byte-level vocabulary of 257) of three
 families are written once per module: Llama (dense), Qwen3-MoE (MoE with its router
-loss) and Qwen3-Next (gated delta-nets + full attention, MoE). fp32, 4 steps, a global
-batch of 4 documents; relative error of every step's logged loss <= 1e-5, on every rank.
+loss) and Qwen3-Next (gated delta-nets + full attention, MoE). fp32, 3 steps, a global
+batch of 4 documents on every mesh; relative error of every step's logged loss <= 1e-5,
+the same logged value on every rank.
 
 * the Trainer with transformers' padding-free ``DataCollatorWithFlattening``: every
-  family on both meshes, Llama also on USP (ring 2 x ulysses 2) and HSDP (dp_replicate 2 x
-  sp 2); at 1 process it equals transformers' own ``Trainer`` (the same script with the
-  import swapped back); the evaluation loss and the predictions gathered back to whole
-  sequences equal the reference's, and the saved directory loads with ``from_pretrained``
-  and gives the trained logits; a run resumed from the dp_shard 2 x sp 2 checkpoint of
-  step 2 on sp 4 logs the same losses at steps 3 and 4;
+  family on both meshes, Llama also on dp_replicate 2 x ring 2 (HSDP with ring
+  attention); at 1 process it equals transformers' own ``Trainer`` (the same script with
+  the import swapped back); the evaluation loss and the predictions gathered back to
+  whole sequences equal the reference's, and the saved directory loads with
+  ``from_pretrained`` and gives the trained logits; a run resumed on sp 4 from the
+  dp_shard 2 x sp 2 checkpoint of step 1 logs the same losses at steps 2 and 3;
 * TRL's SFTTrainer: packing (best-fit decreasing, padding-free) on Qwen3-MoE (TRL's router
-  loss), padded rows on Llama, LoRA with packing on Qwen3-Next (resumed from a checkpoint
-  too, the adapter loaded with peft's ``PeftModel.from_pretrained``); at 1 process the
-  first two equal TRL's own SFTTrainer (which refuses to pack Qwen3-Next without the
-  causal-conv1d kernel);
+  loss), padded rows on Llama, LoRA with packing on Qwen3-Next (resumed too; the adapter
+  loaded with peft's ``PeftModel.from_pretrained`` gives the trained logits); at 1 process
+  the first two equal TRL's own SFTTrainer (which refuses to pack Qwen3-Next without the
+  causal-conv1d kernel); the quick tier's run: LoRA on sp 2, resumed;
+* memory switches on two runs (:data:`MEMORY_SWITCHES`); ``accelerate launch`` of one
+  process (the trainer makes its own world of one);
 * refusals: TrainingArguments, batches and objects that cannot run, one message each.
 """
 
