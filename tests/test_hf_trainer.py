@@ -17,11 +17,12 @@ the same logged value on every rank.
   whole sequences equal the reference's, and the saved directory loads with
   ``from_pretrained`` and gives the trained logits; a run resumed on sp 4 from the
   dp_shard 2 x sp 2 checkpoint of step 1 logs the same losses at steps 2 and 3;
-* TRL's SFTTrainer: packing (best-fit decreasing, padding-free) on Qwen3-MoE (TRL's router
-  loss), padded rows on Llama, LoRA with packing on Qwen3-Next (resumed too; the adapter
-  loaded with peft's ``PeftModel.from_pretrained`` gives the trained logits); at 1 process
-  the first two equal TRL's own SFTTrainer (which refuses to pack Qwen3-Next without the
-  causal-conv1d kernel); the quick tier's run: LoRA on sp 2, resumed;
+* TRL's SFTTrainer: packing (best-fit decreasing, padding-free) on Llama, padded rows on
+  Qwen3-MoE (TRL's router loss, without the padding), LoRA with packing on Qwen3-Next
+  (resumed too; the adapter loaded with peft's ``PeftModel.from_pretrained`` gives the
+  trained logits); at 1 process the first two equal TRL's own SFTTrainer (which refuses
+  to pack Qwen3-Next without the causal-conv1d kernel); every variant on every family
+  with ``ULYSSES_HF_TRAINER_ALL=1``; the quick tier's run: LoRA on sp 2, resumed;
 * memory switches on two runs (:data:`MEMORY_SWITCHES`); ``accelerate launch`` of one
   process (the trainer makes its own world of one);
 * refusals: TrainingArguments, batches and objects that cannot run, one message each.
@@ -53,6 +54,7 @@ from ulysses_dtensor.integrations.hf.ulysses_trainer.arguments import (  # noqa:
     parallelize_options,
 )
 from ulysses_dtensor.integrations.hf.ulysses_trainer.batches import (  # noqa: E402
+    ROW_LENGTHS,
     check_same_batch,
     count_targets,
     gather_sequence,
@@ -131,11 +133,14 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @contextlib.contextmanager
 def script_run():
-    """What one script run leaves behind in a pooled rank, removed: accelerate's process-wide
-    state, transformers' attention registry, this run's meshes; and no network, no bars."""
+    """One script run in a pooled rank, and what it would leave behind put back: accelerate's
+    process-wide state, transformers' attention registry and log level, this run's meshes,
+    the environment (no network, no progress bars, the launcher's variables accelerate reads)."""
     from accelerate.state import AcceleratorState, GradientState
     from transformers.utils import logging as hf_logging
 
+    saved_env = {k: os.environ.get(k) for k in (*OFFLINE, *LAUNCHER)}
+    saved_level = hf_logging.get_verbosity()
     os.environ.update(OFFLINE)
     for key, value in LAUNCHER.items():
         os.environ.setdefault(key, value)
@@ -147,6 +152,12 @@ def script_run():
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
         destroy_subgroups()
+        hf_logging.set_verbosity(saved_level)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _stock(trainer_class):
@@ -285,8 +296,8 @@ def test_trainer_script_same_losses_on_every_mesh(model_dirs, tmp_path):
 
 # case -> (family, the script's flags)
 SFT_CASES = {
-    "packing": ("qwen3_moe", ["--packing", "--max_length", "64"]),
-    "padded rows": ("llama", ["--max_length", "64"]),
+    "packing": ("llama", ["--packing", "--max_length", "64"]),
+    "padded rows": ("qwen3_moe", ["--max_length", "64"]),  # the router told each row's length
     "LoRA + packing": ("qwen3_next", ["--packing", "--max_length", "64", "--lora_r", "4", "--learning_rate", "3e-2"]),
 }
 
@@ -338,6 +349,31 @@ def test_sft_script_same_losses_on_every_mesh(model_dirs, tmp_path):
     out = tmp_path / "s-LoRA-packing-dp_shard2xsp2"
     assert (out / "adapter_model.safetensors").is_file() and not list(out.glob("model*.safetensors"))
     _assert_from_pretrained_logits(out, got[("LoRA + packing", "dp_shard 2 x sp 2")], base=model_dirs[family])
+
+
+SFT_VARIANTS = {"packing": ["--packing", "--max_length", "64"], "padded rows": ["--max_length", "64"],
+                "LoRA + packing": SFT_CASES["LoRA + packing"][1]}
+
+
+@pytest.mark.slow
+def test_sft_every_family_and_variant(model_dirs, tmp_path):
+    """Every SFT variant on every family (the default suite runs each variant on one):
+    ``ULYSSES_HF_TRAINER_ALL=1``, about 3 minutes on 2 cores."""
+    if not os.environ.get("ULYSSES_HF_TRAINER_ALL"):
+        pytest.skip("the whole cross runs with ULYSSES_HF_TRAINER_ALL=1")
+    runs = {1: {}, 4: {}}
+    for family in FAMILIES:
+        for variant, flags in SFT_VARIANTS.items():
+            name = f"{family}-{variant}".replace(" ", "").replace("+", "-")
+            common = [*flags, "--bf16", "false"]
+            runs[1][(f"{variant} {family}", "1 process")] = (_common(tmp_path / f"a-{name}-1", model_dirs[family],
+                                                                      GLOBAL_ROWS, *common), None)
+            for mesh in ("dp_shard 2 x sp 2", "sp 4"):
+                mesh_flags, dp = MESHES[mesh]
+                runs[4][(f"{variant} {family}", mesh)] = (_common(
+                    tmp_path / f"a-{name}-{mesh.replace(' ', '')}", model_dirs[family], GLOBAL_ROWS // dp, *common,
+                    *mesh_flags), None)
+    print("\n" + "\n".join(_check_mesh_runs(_run_all(SFT_SCRIPT, runs), "SFT")))
 
 
 def _assert_from_pretrained_logits(directory: Path, result: dict, base: Path | None = None) -> None:
@@ -474,7 +510,8 @@ def test_batches_that_cannot_run_are_refused_and_right_padding_runs():
     # Right padding: the mask goes, the padding's labels are ignored; the targets are counted once.
     right = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
     batch = sp_batch({"input_ids": ids, "labels": ids, "attention_mask": right}, need_labels=True)
-    assert set(batch) == {"input_ids", "labels"} and batch["labels"][0, 4:].eq(-100).all()
+    assert set(batch) == {"input_ids", "labels", ROW_LENGTHS} and batch["labels"][0, 4:].eq(-100).all()
+    assert batch[ROW_LENGTHS].tolist() == [4, 6]  # what MoE routers count
     assert int(count_targets(batch)) == 3 + 5
     # Packed documents (positions restart): no target across a document edge; shift_labels unshifted.
     packed = {"input_ids": ids[:1], "labels": ids[:1], "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}

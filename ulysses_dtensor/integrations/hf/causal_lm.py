@@ -213,21 +213,22 @@ class SPCausalLM:
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
                  *, labels: Tensor | None = None, num_valid_tokens: Tensor | int | None = None,
-                 seq_len: int | None = None) -> Tensor:
+                 seq_len: int | Tensor | None = None) -> Tensor:
         """Logits ``(B, s_local, vocab)`` of this rank's tokens, or with ``labels``
         (shifted, this rank's slice) its share of the global token-mean loss, as
         :meth:`~ulysses_dtensor.models.llama.Llama.forward`. A module call (hooks:
         the integration's input checks, FSDP's root) of :meth:`forward`. ``seq_len``:
         the unpadded length of the whole sequence when ``shard_hf_batch`` padded it
-        (its ``sp_seq_len``), so that MoE routers do not count the padding."""
+        (its ``sp_seq_len``), or a (batch,) tensor of each row's length (right-padded
+        rows), so that MoE routers do not count the padding."""
         if labels is not None and num_valid_tokens is None:
             raise ValueError(
                 "labels given without num_valid_tokens: pass the valid-label count of the whole global "
                 "batch (count_valid_tokens(labels, pmesh.loss)) so every rank divides by the same number"
             )
         kwargs = {} if document_ids is None else {DOCUMENT_IDS_KWARG: document_ids}
-        if seq_len is not None:
-            kwargs[SEQ_LEN_KWARG] = seq_len  # read and removed by the integration's pre-hook
+        if seq_len is not None:  # read and removed by the integration's pre-hook
+            kwargs[SEQ_LEN_KWARG] = int(seq_len.max()) if isinstance(seq_len, Tensor) else seq_len
         self._sp_seq_len = seq_len  # the router loss leaves the padding out too
         if document_ids is None and position_ids is not None and _is_fake(position_ids):
             # The memory planner's fake rows: the integration's check that positions do not
@@ -258,13 +259,17 @@ class SPCausalLM:
         return loss
 
     def _real_tokens(self, input_ids: Tensor) -> Tensor | None:
-        """(batch * s_local,) False for this rank's padding tokens (past ``seq_len``); None: all real."""
+        """(batch * s_local,) False for this rank's padding tokens (past ``seq_len``, each row's
+        own when it is a tensor); None: all real."""
         if self._sp_seq_len is None:
             return None
         b, s = input_ids.shape
         sp, sp_rank, ring = self._sp_degree
         where = layout_position_ids(s, sp_rank, sp, ring, input_ids.device)  # in the whole sequence
-        return (where < self._sp_seq_len).expand(b, s).reshape(-1)
+        length = self._sp_seq_len
+        if isinstance(length, Tensor):
+            return (where[None, :] < length.to(input_ids.device)[:, None]).reshape(-1)
+        return (where < length).expand(b, s).reshape(-1)
 
     def pop_router_aux_loss(self) -> Tensor | None:
         """This rank's share of the router loss of the calls since the last pop (None

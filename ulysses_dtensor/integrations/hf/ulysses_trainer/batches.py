@@ -13,7 +13,8 @@ Collators a Trainer script uses, and what becomes of their keys:
   dropped (rebuilt from ``position_ids`` for the whole sequence);
 * ``attention_mask``: all ones, or right padding (rows of real tokens then padding,
   TRL's and transformers' padded collators), dropped, the padding's labels ignored:
-  causal attention keeps real tokens from seeing later padding. Left padding, holes
+  causal attention keeps real tokens from seeing later padding, and MoE routers are
+  given each row's length (``row_lengths``), as transformers' router loss reads the mask. Left padding, holes
   and custom (4-D) masks are refused: a rank's slice would need the mask's meaning.
 
 Any other key is refused by name (an image, ``token_type_ids``, ...): the model's
@@ -32,15 +33,17 @@ from ulysses_dtensor.parallel.batch import shard_batch
 from ulysses_dtensor.parallel.loss import IGNORE_INDEX
 from ulysses_dtensor.parallel.ring_layout import layout_indices
 
-__all__ = ["FLATTENING_KEYS", "check_same_batch", "count_targets", "gather_sequence", "sp_batch"]
+__all__ = ["FLATTENING_KEYS", "ROW_LENGTHS", "check_same_batch", "count_targets", "gather_sequence", "sp_batch"]
 
 FLATTENING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 _MODEL_KEYS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")
+ROW_LENGTHS = "row_lengths"  # sp_batch's key for the real tokens of right-padded rows
 
 
 def sp_batch(inputs: Mapping, *, need_labels: bool) -> dict[str, Tensor]:
-    """``input_ids`` (B, S), ``labels`` aligned with them (when the batch has targets) and
-    ``position_ids`` (when given), or ValueError naming the key that cannot run under SP."""
+    """``input_ids`` (B, S), ``labels`` aligned with them (when the batch has targets),
+    ``position_ids`` (when given) and :data:`ROW_LENGTHS` (right-padded rows: each row's
+    real tokens), or ValueError naming the key that cannot run under SP."""
     unknown = [k for k in inputs if k not in _MODEL_KEYS + FLATTENING_KEYS]
     if unknown:
         raise ValueError(
@@ -76,6 +79,7 @@ def sp_batch(inputs: Mapping, *, need_labels: bool) -> dict[str, Tensor]:
                              "padding-free collator (DataCollatorWithFlattening, TRL's padding_free=True)")
         if labels is not None:
             labels = labels.masked_fill(~real, IGNORE_INDEX)
+        lengths = real.sum(dim=1)
     if need_labels and labels is None:
         raise ValueError("the training batch has no labels: give the collator labels (-100 where no target), as "
                          "DataCollatorForLanguageModeling(mlm=False) and TRL's collators do")
@@ -84,6 +88,8 @@ def sp_batch(inputs: Mapping, *, need_labels: bool) -> dict[str, Tensor]:
         batch["labels"] = labels
     if positions is not None:
         batch["position_ids"] = positions
+    if mask is not None and not bool(mask.all()):
+        batch[ROW_LENGTHS] = lengths  # MoE routers leave each row's padding out
     return batch
 
 

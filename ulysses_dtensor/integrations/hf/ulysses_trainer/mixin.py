@@ -49,7 +49,7 @@ from ..model_inputs import SEQ_LEN_KWARG, shard_hf_batch
 from ..parallelize_model import parallelize_hf_model
 from .accelerator import make_sp_accelerator
 from .arguments import UlyssesArguments, check_training_arguments, parallelize_options
-from .batches import check_same_batch, count_targets, gather_sequence, sp_batch
+from .batches import ROW_LENGTHS, check_same_batch, count_targets, gather_sequence, sp_batch
 from .checkpoints import (
     STATE_DIR,
     has_training_state,
@@ -244,11 +244,12 @@ class UlyssesTrainerMixin:
 
     # -- loss ------------------------------------------------------------------------------
 
-    def _forward(self, local: dict, labels=None, count=None):
+    def _forward(self, batch: dict, local: dict, labels=None, count=None):
         """The adapted model on this rank's slice (``shard_hf_batch``'s inputs): logits, or
         with ``labels`` this rank's share of the loss over ``count`` targets."""
+        lengths = batch.get(ROW_LENGTHS, local[SEQ_LEN_KWARG])  # what MoE routers count
         return self.causal_lm()(local["input_ids"], local["position_ids"], local.get(DOCUMENT_IDS_KWARG),
-                                labels=labels, num_valid_tokens=count, seq_len=local[SEQ_LEN_KWARG])
+                                labels=labels, num_valid_tokens=count, seq_len=lengths)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """This rank's share of the token mean over the step (``num_items_in_batch``: the
@@ -262,7 +263,7 @@ class UlyssesTrainerMixin:
             num_items_in_batch = count_valid_tokens(labels, self.pmesh.loss)
         steps = getattr(self, "current_gradient_accumulation_steps", 1) if lm.training else 1
         lm.aux_loss_weight = 1.0 / max(1, steps)  # the router loss: the mean over the step's micro-batches
-        loss = self._forward(local, labels, num_items_in_batch)
+        loss = self._forward(batch, local, labels, num_items_in_batch)
         self.record_batch(batch, inputs, lm)
         return (loss, None) if return_outputs else loss
 
@@ -286,10 +287,10 @@ class UlyssesTrainerMixin:
         with torch.no_grad():
             lm.aux_loss_weight = 0.0  # the router loss regularises training; eval reports cross entropy
             if "labels" in batch:
-                share = self._forward(local, labels, count_valid_tokens(labels, self.pmesh.sp))
+                share = self._forward(batch, local, labels, count_valid_tokens(labels, self.pmesh.sp))
                 loss = global_loss(share, self.pmesh.sp)
             if not prediction_loss_only:
-                logits = gather_sequence(self._forward(local), self.pmesh.sp.get_group(), self.pmesh.dims.sp,
+                logits = gather_sequence(self._forward(batch, local), self.pmesh.sp.get_group(), self.pmesh.dims.sp,
                                          self.pmesh.dims.ring, batch["input_ids"].shape[1])
         return loss, logits, (inputs.get("labels") if "labels" in batch else None)
 
