@@ -210,6 +210,9 @@ PRELOAD = [
     "torch._inductor.compile_fx", "transformers", "transformers.modeling_utils",
     "ulysses_dtensor.integrations.hf", "ulysses_dtensor.trainer.loop", "matplotlib.pyplot",
     "torchtitan.train",
+    # transformers' Trainer and TRL (with datasets, peft, accelerate): 7 s of CPU per rank
+    # that tests/test_hf_trainer.py's ranks would otherwise each pay.
+    "transformers.trainer", "trl.trainer.sft_trainer",
 ]
 
 

@@ -109,6 +109,12 @@ TESTS = {
         "test_config_refuses_save_attention_without_full_ac",
         "test_trainer_banner_says_what_is_kept_and_where",
     ],
+    "test_hf_trainer.py": [
+        "test_sft_lora_sp2_checkpoints_and_resumes",
+        "test_training_arguments_that_cannot_run_are_refused_by_name",
+        "test_training_arguments_translate_to_the_parallelize_options",
+        "test_batches_that_cannot_run_are_refused_and_right_padding_runs",
+    ],
     "test_estimate.py": [
         "test_dtensor_shape_propagation_is_not_counted",
         "test_cli_reports_a_bad_config_clearly",
@@ -146,6 +152,8 @@ THROUGH = {
     "ulysses_dtensor.evaluation.plots": "test_evaluation.py::test_report_rows_round_trip_and_redraw_the_plots",
     "ulysses_dtensor.export.native": "test_hf_checkpoint.py::test_export_round_trip_every_family_and_our_own_flavor",
     "ulysses_dtensor.integrations.hf.checkpoint_io": "test_hf_integration.py::test_example_hf_custom_loop_trains_loads_and_saves",
+    # UlyssesSFTTrainer's run: the Trainer's accelerator over the data-parallel ranks.
+    "ulysses_dtensor.integrations.hf.ulysses_trainer.accelerator": "test_hf_trainer.py::test_sft_lora_sp2_checkpoints_and_resumes",
     "ulysses_dtensor.integrations.hf.mixers.gated_delta_net":
         "test_hf_linear_attention.py::test_gated_delta_restarts_equal_each_document_alone",
     "ulysses_dtensor.integrations.hf.mixers.mamba": "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",

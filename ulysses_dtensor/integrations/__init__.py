@@ -4,7 +4,10 @@ One folder or module per library:
 * ``integrations.hf``: unmodified Hugging Face ``transformers`` causal LMs (the ``hf``
   extra): the parallelize entry, the registry attention function, batches and positions,
   rope, MoE, memory switches, the trainer's causal-LM adapter, weights in and out, the
-  hybrid layers' token mixers (``hf/mixers/``) and the family matrix (``hf/matrix/``);
+  hybrid layers' token mixers (``hf/mixers/``), the family matrix (``hf/matrix/``) and
+  transformers' ``Trainer`` under all of it (``hf/ulysses_trainer/``);
+* ``integrations.trl``: TRL's ``SFTTrainer`` on top of ``integrations.hf``'s ``UlyssesTrainerMixin``
+  (the ``trl`` extra);
 * ``integrations.lora``: ``peft``'s LoRA adapters on a model about to be parallelized
   (transformers' or this package's Llama; the ``lora`` extra);
 * ``integrations.torchtitan``: a plug-in for torchtitan 0.3.0's own models and

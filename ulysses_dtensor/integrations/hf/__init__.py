@@ -4,6 +4,7 @@ The public face, importable from here as the docs show it::
 
     from ulysses_dtensor.integrations.hf import parallelize_hf_model, shard_hf_batch
     from ulysses_dtensor.integrations.hf import load_hf_weights, save_hf_weights
+    from ulysses_dtensor.integrations.hf import UlyssesArguments, UlyssesTrainer
 
 What each module owns, in the order a model meets them:
 
@@ -18,6 +19,8 @@ What each module owns, in the order a model meets them:
 * :mod:`.memory_switches`: tiled MLP, norms and offloaded blocks on transformers' layers;
 * :mod:`.causal_lm`, :mod:`.output_head`: the trainer's call interface and the tiled head;
 * :mod:`.weights`, :mod:`.checkpoint_io`: HF directories in and out, shard by shard;
+* ``ulysses_trainer/``: ``UlyssesTrainer`` / ``UlyssesTrainerMixin`` and ``UlyssesArguments``:
+  transformers' ``Trainer`` under all of the above;
 * ``mixers/``: token mixers besides attention (gated delta-net, Mamba, short convolution);
 * ``matrix/``: the family matrix (tiny model per family, the parity check, the recorded
   results for the installed transformers).
@@ -39,6 +42,9 @@ _EXPORTS = {
     "load_hf_weights": "checkpoint_io",
     "save_hf_weights": "checkpoint_io",
     "adapt_causal_lm": "causal_lm",
+    "UlyssesArguments": "ulysses_trainer.arguments",
+    "UlyssesTrainer": "ulysses_trainer.mixin",
+    "UlyssesTrainerMixin": "ulysses_trainer.mixin",
 }
 
 __all__ = sorted(_EXPORTS)

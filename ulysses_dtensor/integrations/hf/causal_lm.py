@@ -3,7 +3,7 @@
 The trainer, its ``train_step``, the evaluator and the memory planner call a
 model as they call :class:`~ulysses_dtensor.models.llama.Llama`::
 
-    loss  = model(ids, position_ids=, document_ids=, labels=, num_valid_tokens=)
+    loss  = model(ids, position_ids=, document_ids=, labels=, num_valid_tokens=, seq_len=)
     logit = model(ids, position_ids=, document_ids=)
     h     = model.hidden_states(ids, position_ids=, document_ids=)   # final normed states
     logit = model.output(h)                 # the head; model.output.weight: (vocab, dim)
@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from ulysses_dtensor.parallel.ring_layout import layout_position_ids
 
 from .attention_function import DOCUMENT_IDS_KWARG
+from .model_inputs import SEQ_LEN_KWARG
 from .moe import router_aux_loss_share
 from .output_head import OutputHead, SPOutputHead, _is_fake, check_output_head
 from .rotary import rope_inv_freq, rope_support, set_rotary
@@ -211,17 +212,24 @@ class SPCausalLM:
     """Mixed into an adapted model's class (see :func:`adapt_causal_lm`)."""
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
-                 *, labels: Tensor | None = None, num_valid_tokens: Tensor | int | None = None) -> Tensor:
+                 *, labels: Tensor | None = None, num_valid_tokens: Tensor | int | None = None,
+                 seq_len: int | Tensor | None = None) -> Tensor:
         """Logits ``(B, s_local, vocab)`` of this rank's tokens, or with ``labels``
         (shifted, this rank's slice) its share of the global token-mean loss, as
         :meth:`~ulysses_dtensor.models.llama.Llama.forward`. A module call (hooks:
-        the integration's input checks, FSDP's root) of :meth:`forward`."""
+        the integration's input checks, FSDP's root) of :meth:`forward`. ``seq_len``:
+        the unpadded length of the whole sequence when ``shard_hf_batch`` padded it
+        (its ``sp_seq_len``), or a (batch,) tensor of each row's length (right-padded
+        rows), so that MoE routers do not count the padding."""
         if labels is not None and num_valid_tokens is None:
             raise ValueError(
                 "labels given without num_valid_tokens: pass the valid-label count of the whole global "
                 "batch (count_valid_tokens(labels, pmesh.loss)) so every rank divides by the same number"
             )
         kwargs = {} if document_ids is None else {DOCUMENT_IDS_KWARG: document_ids}
+        if seq_len is not None:  # read and removed by the integration's pre-hook
+            kwargs[SEQ_LEN_KWARG] = int(seq_len.max()) if isinstance(seq_len, Tensor) else seq_len
+        self._sp_seq_len = seq_len  # the router loss leaves the padding out too
         if document_ids is None and position_ids is not None and _is_fake(position_ids):
             # The memory planner's fake rows: the integration's check that positions do not
             # restart would read values; its default (this rank's global positions) is theirs.
@@ -244,10 +252,24 @@ class SPCausalLM:
         loss = self.output.loss(h, labels, count)
         if router:
             coef, experts, top_k, mesh = self._router_aux
-            share = router_aux_loss_share(tuple(router_logits), experts, top_k, mesh) * self.aux_loss_weight
+            share = router_aux_loss_share(tuple(router_logits), experts, top_k, mesh,
+                                          self._real_tokens(input_ids)) * self.aux_loss_weight
             self._router_aux_sum = self._router_aux_sum + share.detach()
             loss = loss + coef * share
         return loss
+
+    def _real_tokens(self, input_ids: Tensor) -> Tensor | None:
+        """(batch * s_local,) False for this rank's padding tokens (past ``seq_len``, each row's
+        own when it is a tensor); None: all real."""
+        if self._sp_seq_len is None:
+            return None
+        b, s = input_ids.shape
+        sp, sp_rank, ring = self._sp_degree
+        where = layout_position_ids(s, sp_rank, sp, ring, input_ids.device)  # in the whole sequence
+        length = self._sp_seq_len
+        if isinstance(length, Tensor):
+            return (where[None, :] < length.to(input_ids.device)[:, None]).reshape(-1)
+        return (where < length).expand(b, s).reshape(-1)
 
     def pop_router_aux_loss(self) -> Tensor | None:
         """This rank's share of the router loss of the calls since the last pop (None
@@ -427,6 +449,7 @@ def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1
     model._sp_degree = (pmesh.dims.sp, pmesh.sp_rank, pmesh.dims.ring) if pmesh is not None else (1, 0, 1)
     model._active_params = _active_params(model, model.args)
     model._router_aux, model._router_aux_sum, model.aux_loss_weight = router, 0.0, 1.0
+    model._sp_seq_len = None
     # The rope: the model's own until set_rope; a length-dependent one is driven from
     # the first call (transformers' own update would read one rank's slice).
     support = rope_support(model)
