@@ -13,6 +13,7 @@ from __future__ import annotations
 WHOLE_FILES = {
     "test_attention.py",
     "test_attention_patterns.py",
+    "test_attention_planning.py",
     "test_batch.py",
     "test_config.py",
     "test_cuda_calls_on_cpu.py",

@@ -11,6 +11,7 @@ from .dense import cudnn_attention, sdpa_attention
 from .flex import flex_attention_backend
 from .packed import fa4_backend, flash_attn_backend, varlen_backend
 from .pattern import check_pattern
+from .planning import planned_attention, planning_target
 from .select import check_backend, resolve_backend
 
 __all__ = ["LocalAttention", "local_attention"]
@@ -76,6 +77,9 @@ def local_attention(
     check_backend(backend)
     _check_shapes(q, k, v, document_ids)
     pattern = check_pattern(causal, window, softcap, sinks, q.shape[2])
+    if planning_target() is not None:  # the memory planner's trace: what the target GPU runs
+        seg = None if document_ids is None else segment_ids(document_ids.to(q.device))
+        return planned_attention(q, k, v, backend, pattern, seg, scale, sinks).to(q.dtype)
     backend = resolve_backend(backend, pattern.features(), q.device, q.dtype, q.shape[3],
                               v_head_dim=v.shape[3], documents=document_ids is not None)
     seg = None
