@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="plan for GPUs (default) or CPU")
     p.add_argument("--layers", choices=("full", "extrapolate", "auto"), default=None,
                    help="full trace, or 4/5/6-layer traces extrapolated linearly in the layer count; "
-                        "auto (default): whichever traces fewer ops")
+                        "auto (default): whichever costs less to trace")
     p.add_argument("--foreach", choices=("true", "false"), default=None, help="AdamW foreach (default: torch's choice)")
     p.add_argument("--loops", choices=("edges", "all"), default="edges",
                    help="trace the first and last two pieces of each loop over the sequence (tiles, chunks; "
@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             log = None if ns.json else (lambda s: print(s, file=sys.stderr, flush=True))
             if not 0 < ns.precision < 100:
                 raise ConfigError(f"--precision {ns.precision:g} must be a percentage between 0 and 100 (e.g. 0.5)")
+            if ns.host_budget_gib < 0:
+                raise ConfigError(f"--host-budget-gib {ns.host_budget_gib:g} must be GiB per GPU (0: no host ceiling)")
+            if ns.granularity is not None and ns.granularity < 1:
+                raise ConfigError(f"--granularity {ns.granularity} must be a positive number of tokens per sp rank")
             res = find_max_seq_len(
                 cfg, ns.world_size, budget_gib=ns.budget_gib, headroom_gib=ns.headroom_gib,
                 host_budget_gib=ns.host_budget_gib or None, precision=ns.precision / 100,

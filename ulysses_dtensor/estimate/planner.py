@@ -146,6 +146,10 @@ def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges) -> _Step
     notes: list[str] = []
     cfg, seq_len, batch = _prepared_config(cfg, seq_len, rows, notes)
     if rows is not None:
+        if cfg.training.micro_batch_size and cfg.training.micro_batch_size >= rows:
+            # One forward of the rows asked for (a config's micro-batch of its own global
+            # batch would be refused as having no effect on this one).
+            cfg.training.micro_batch_size = None
         par = cfg.parallelism
         try:
             dp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring, tp=par.tp).dp
