@@ -32,7 +32,7 @@ SWITCHES = ["--activation_checkpoint.mode", "full", "--memory.tiled_mlp", "true"
 @pytest.fixture
 def small_norm_chunks(monkeypatch):
     """RMSNorm chunks of 100 rows at dim 64 (the real 64M elements would be one chunk here)."""
-    import ulysses_dtensor.models.norm as norm
+    from ulysses_dtensor.models import norm
 
     monkeypatch.setattr(norm, "CHUNK_ELEMENTS", 64 * 100)
 
@@ -43,13 +43,16 @@ def _same(a, b) -> None:
     assert a.host_bytes == b.host_bytes and a.end_of_forward == b.end_of_forward
 
 
-def _tiny_hf(tmp_path, family: str) -> Path:
+def _tiny_hf(tmp_path, family: str, **config) -> Path:
     sys.path.insert(0, str(ROOT / "scripts"))
     from make_tiny_hf_model import hf_config
 
     d = tmp_path / family
     d.mkdir()
-    hf_config(family, vocab_size=320, dim=64, layers=2, heads=8, kv_heads=4, ffn_dim=96).to_json_file(d / "config.json")
+    hf = hf_config(family, vocab_size=320, dim=64, layers=2, heads=8, kv_heads=4, ffn_dim=96)
+    for k, v in config.items():
+        setattr(hf, k, v)
+    hf.to_json_file(d / "config.json")
     return d
 
 
@@ -66,11 +69,14 @@ def test_edge_pieces_plan_the_memory_of_every_piece(small_norm_chunks):
     assert edges.trace["ops"] < 0.6 * every.trace["ops"], (edges.trace["ops"], every.trace["ops"])
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_moe_router_loss"])
 def test_edge_pieces_plan_transformers_models_exactly(tmp_path, family):
     # The transformers path's own loops: the tiled per-token block (an MoE block whole) and
-    # the output head's chunks; transformers' RMSNorm swapped for ours (lean norms).
-    d = _tiny_hf(tmp_path, family)
+    # the output head's chunks; transformers' RMSNorm swapped for ours (lean norms). With
+    # the router loss, transformers records every tile's router logits through hooks that
+    # a skipped tile would not run: the planner traces every piece.
+    router = family.endswith("_router_loss")
+    d = _tiny_hf(tmp_path, family.removesuffix("_router_loss"), **({"output_router_logits": True} if router else {}))
     cfg = load_config(["--model.hf_path", str(d), "--model.implementation", "transformers",
                        "--training.global_batch_size", "1", "--parallelism.sp", "2",
                        "--training.mixed_precision_param", "bfloat16", *SWITCHES,
@@ -78,7 +84,10 @@ def test_edge_pieces_plan_transformers_models_exactly(tmp_path, family):
     edges = plan_memory(cfg, 2, 1024, device="cuda", loops="edges")
     every = plan_memory(cfg, 2, 1024, device="cuda", loops="all")
     _same(edges, every)
-    assert edges.trace["loops"] == "edges" and edges.trace["ops"] < every.trace["ops"]
+    if router:
+        assert edges.trace["loops"] == "all" and any("router logits" in n for n in edges.notes)
+    else:
+        assert edges.trace["loops"] == "edges" and edges.trace["ops"] < every.trace["ops"]
 
 
 def test_an_edge_trace_costs_the_same_at_any_length(small_norm_chunks):

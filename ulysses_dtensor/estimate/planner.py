@@ -33,7 +33,7 @@ def _layer_counts(cfg) -> tuple[int, int, int]:
     return 4 * period, 5 * period, 6 * period
 
 
-def _same_peaks(a: "_Trace", b: "_Trace", rel: float = 1e-3, abs_bytes: int = 1 << 20) -> bool:
+def _same_peaks(a: _Trace, b: _Trace, rel: float = 1e-3, abs_bytes: int = 1 << 20) -> bool:
     """Every phase's peak of ``a``, on the device and on the host, within ``rel`` (or 1 MiB) of ``b``'s."""
     if set(a.phase_peaks) != set(b.phase_peaks) or set(a.host_phase_peaks) != set(b.host_phase_peaks):
         return False

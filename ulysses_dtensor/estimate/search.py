@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from .plan import GIB, MemoryPlan
 from .planner import _assemble, _combine, _default_world_size, _layers_to_trace, _prepare
@@ -169,7 +170,7 @@ def _nearest_limit(points: list[_Point], value, limit: float, unit: int) -> floa
     pts = sorted(points, key=lambda p: p.k)
     if len(pts) < 2:
         return None
-    pairs = [(a, b) for a, b in zip(pts, pts[1:]) if value(a) <= limit < value(b)]
+    pairs = [(a, b) for a, b in pairwise(pts) if value(a) <= limit < value(b)]
     if pairs:
         a, b = pairs[0]
     elif value(pts[0]) > limit:
@@ -307,13 +308,12 @@ def find_max_seq_len(
 
     how = _layers_to_trace(first, layers, checked=False)
     lo, hi, above = search(how)
-    if how == "extrapolate" and lo:
-        # The 5-block trace at the answer: is the step linear in the block count there?
-        if not plan(lo, how, check=True).plan.trace["extrapolated"]:
-            if log is not None:
-                log("  the 4/5/6-block traces are not linear in the block count: searching with every block traced")
-            how = "full"
-            lo, hi, above = search(how)
+    # The 5-block trace at the answer: is the step linear in the block count there?
+    if how == "extrapolate" and lo and not plan(lo, how, check=True).plan.trace["extrapolated"]:
+        if log is not None:
+            log("  the 4/5/6-block traces are not linear in the block count: searching with every block traced")
+        how = "full"
+        lo, hi, above = search(how)
     best = points[lo] if lo else None
     nxt = points.get(hi) if hi is not None else None
     if confirm and how == "extrapolate":

@@ -83,10 +83,6 @@ def edge_pieces_only():
         _edge_only = before
 
 
-def _middle(i: int, n: int) -> bool:
-    return _edge_only and _EDGE <= i < n - _EDGE
-
-
 def edge_pieces(pieces: list) -> list:
     """``pieces``, or their first and last two under :func:`edge_pieces_only`.
 
