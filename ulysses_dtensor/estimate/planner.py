@@ -264,6 +264,8 @@ def _assemble(step: _Step, trace: _Trace, trace_info: dict, trace_notes: list = 
     mem = cfg.memory
     features = {
         "ac": cfg.activation_checkpoint.mode,
+        # activation_checkpoint.save_attention (issue 41), where the config has it
+        "save_attention": getattr(cfg.activation_checkpoint, "save_attention", False),
         "tiled_mlp": mem.tiled_mlp,
         "tiled_loss": mem.tiled_loss,
         "offload": mem.offload_activations,
