@@ -10,8 +10,8 @@ traced attention shapes). A length "fits" when that peak is at most
 stands for what is not a tensor -- the H100's 80 GB are 79.2 GiB to torch,
 then the CUDA context, NCCL buffers and caching-allocator fragmentation.
 
-    python benchmarks/max_seq_len.py                      # the full table (~30-60 min on 2 cores)
-    python benchmarks/max_seq_len.py --models llama3_8b --gpus 8 --features baseline all
+    python benchmarks/max_seq_len.py                      # the full table (~30 min on 2 cores)
+    python benchmarks/max_seq_len.py --models llama3_8b --gpus 8 --features baseline all   # ~1 min a row
     python benchmarks/max_seq_len.py --quick              # smoke run: debug model on 2 GPUs, seconds
     python benchmarks/max_seq_len.py --models llama3_8b --gpus 64 128 --ulysses 8 --features all+offload_params
                                                           # USP: Ulysses inside 8-GPU nodes, ring across them
@@ -21,6 +21,13 @@ then the CUDA context, NCCL buffers and caching-allocator fragmentation.
 One JSON object per (model, GPUs, features) on stdout; a markdown table on
 stderr at the end (and in --table FILE); a PNG of planned peak vs sequence
 length (--plot FILE, needs matplotlib; without it a message says so).
+
+The search is :func:`ulysses_dtensor.estimate.find_max_seq_len`'s: every point a
+step traced with each loop over the sequence at its edge pieces, extrapolated in
+the block count, the limit solved for from the points (two to four per row), the
+answer within --precision (default 0.5 %) of the limit; a second ceiling for host
+memory (--host-budget-gib per GPU, default 240; 0: none), and the record names
+the one that binds.
 
 Layout: sp = the largest divisor of the GPU count that the heads allow
 (heads % sp == 0, and kv heads split or replicated: kv % sp == 0 or
@@ -48,6 +55,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from ulysses_dtensor.estimate import GIB, find_max_seq_len, plan_memory  # noqa: E402
+from ulysses_dtensor.estimate.search import HOST_BUDGET_GIB, PRECISION  # noqa: E402
 from ulysses_dtensor.models.llama import FLAVORS  # noqa: E402
 from ulysses_dtensor.trainer.config import load_config  # noqa: E402
 
@@ -169,13 +177,16 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
     usp = f" = ring {ring} x ulysses {sp // ring}" if ring > 1 else ""
     tp = f" x tp {ns.tp}" if ns.tp > 1 else ""
     log(f"{flavor} on {gpus} GPU(s) (sp {sp}{usp} x dp_shard {dp_shard}{tp}), {features}:")
+    cpu = time.process_time()
     res = find_max_seq_len(
         cfg, gpus, budget_gib=ns.budget_gib, headroom_gib=ns.headroom_gib,
-        granularity=ns.granularity, rows=1, device="cuda", layers=ns.layers,
+        host_budget_gib=ns.host_budget_gib or None, precision=ns.precision / 100,
+        granularity=ns.granularity, rows=1, device="cuda", layers=ns.layers, loops=ns.loops,
         guess=tuple(ns.guess) if ns.guess else None,
-        confirm=not (ns.no_confirm is not None and (not ns.no_confirm or features in ns.no_confirm)),
+        confirm=ns.confirm is not None and (not ns.confirm or features in ns.confirm),
         log=log,
     )
+    cpu = time.process_time() - cpu
     best, nxt = res.best, res.next_up
     rec = {
         "bench": "max_seq_len",
@@ -191,12 +202,20 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
         "mlp_tiles": ns.mlp_tiles or "auto",
         "budget_gib": ns.budget_gib,
         "headroom_gib": ns.headroom_gib,
+        "host_budget_gib": res.host_budget_gib,
         "planned_max_seq_len": res.max_seq_len,
+        "precision": round(res.precision, 5),
+        "limit_below": res.limit_below,
+        "limit_planned": res.limit_planned,
+        "binding": res.binding,
         "search_unit": res.unit,
         "boundary_full_trace": res.confirmed,
         "seconds": round(res.seconds, 1),
+        "cpu_seconds": round(cpu, 1),
+        "traces": res.traces,
         "alst": ALST.get(flavor, {}).get(gpus),
         "tried": res.plans,
+        "tried_host_bytes": res.host_bytes,
     }
     for name, plan in (("best", best), ("next_up", nxt)):
         if plan is not None:
@@ -210,17 +229,18 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
                 "breakdown_gib": {k: round(v / GIB, 3) for k, v in plan.breakdown.items()},
                 "kinds_gib": {k: round(v / GIB, 3) for k, v in plan.kinds.items()},
             }
-    log(f"  -> {fmt_tokens(res.max_seq_len)} tokens ({res.seconds:.0f} s)")
+    log(f"  -> {res.answer()}; {res.binding} memory binds ({res.traces} traces, {res.seconds:.0f} s, "
+        f"{cpu:.0f} s of CPU)")
     return rec
 
 
 def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
     """Extrapolated (4/5/6-layer traces) vs full trace at one length."""
     cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp, ns.lora)
-    unit = ns.granularity * sp
+    unit = (ns.granularity or 1024) * sp
     seq_len = max(unit, seq_len // unit * unit)
-    full = plan_memory(cfg, gpus, seq_len, rows=1, layers="full")
-    ext = plan_memory(cfg, gpus, seq_len, rows=1, layers="extrapolate")
+    full = plan_memory(cfg, gpus, seq_len, rows=1, layers="full", loops=ns.loops)
+    ext = plan_memory(cfg, gpus, seq_len, rows=1, layers="extrapolate", loops=ns.loops)
     rec = {
         "bench": "max_seq_len_verify_extrapolation",
         **stamp(),
@@ -241,9 +261,9 @@ def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
     cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp, ns.lora)
     features = label(features, ns.lora)
     for seq_len in lengths:
-        unit = ns.granularity * sp
+        unit = (ns.granularity or 1024) * sp
         seq_len = max(unit, seq_len // unit * unit)
-        plan = plan_memory(cfg, gpus, seq_len, rows=1, layers=ns.layers)
+        plan = plan_memory(cfg, gpus, seq_len, rows=1, layers=ns.layers, loops=ns.loops)
         rec = {
             "bench": "max_seq_len_sweep", **stamp(), "model": flavor, "gpus": gpus, "sp": sp,
             "dp_shard": dp_shard, "features": features, "seq_len": seq_len,
@@ -265,7 +285,9 @@ def table(records: list[dict], ns) -> str:
     feats = [label(f, n) for n in ranks for f in FEATURES if any(r["features"] == label(f, n) for r in rows)]
     out = [
         f"PLANNED max trainable sequence (tokens; one sequence per dp rank; peak allocated-tensor "
-        f"bytes <= {ns.budget_gib:g} - {ns.headroom_gib:g} = {ns.budget_gib - ns.headroom_gib:g} GiB per GPU)",
+        f"bytes <= {ns.budget_gib:g} - {ns.headroom_gib:g} = {ns.budget_gib - ns.headroom_gib:g} GiB per GPU"
+        + (f"; host memory <= {ns.host_budget_gib:g} GiB per GPU, (host): that ceiling binds"
+           if ns.host_budget_gib else "") + ")",
         "",
         "| model | GPUs | sp x dp_shard | " + " | ".join(feats) + " | ALST (published) |",
         "| --- | --- | --- | " + " | ".join("---" for _ in feats) + " | --- |",
@@ -282,10 +304,15 @@ def table(records: list[dict], ns) -> str:
                 sp = f"{sp} x tp {any_r['tp']}"
             out.append(
                 f"| {m} | {g} | {sp} x {any_r['dp_shard']} | "
-                + " | ".join(fmt_tokens(cell[f]["planned_max_seq_len"]) if f in cell else "-" for f in feats)
+                + " | ".join(_cell(cell[f]) if f in cell else "-" for f in feats)
                 + f" | {fmt_tokens(alst) if alst else '-'} |"
             )
     return "\n".join(out)
+
+
+def _cell(rec: dict) -> str:
+    """A table cell: the planned length, marked when host memory is the ceiling that binds."""
+    return fmt_tokens(rec["planned_max_seq_len"]) + (" (host)" if rec.get("binding") == "host" else "")
 
 
 def plot(records: list[dict], path: str, ns, log) -> None:
@@ -355,7 +382,15 @@ def main(argv=None) -> int:
                    help="feature sets to plan (default: all of them; --quick: baseline and all)")
     p.add_argument("--budget-gib", type=float, default=80.0)
     p.add_argument("--headroom-gib", type=float, default=6.0)
-    p.add_argument("--granularity", type=int, default=1024, help="search step in tokens per sp rank")
+    p.add_argument("--host-budget-gib", type=float, default=HOST_BUDGET_GIB,
+                   help=f"host memory per GPU (offloaded activations, parameter state), GiB (default "
+                        f"{HOST_BUDGET_GIB:g}: an 8-GPU node with 2 TiB; 0: no host ceiling)")
+    p.add_argument("--precision", type=float, default=100 * PRECISION,
+                   help=f"percent: the limit lies within this above the answer (default {100 * PRECISION:g})")
+    p.add_argument("--granularity", type=int, default=None,
+                   help="search multiples of this many tokens per sp rank instead, the next one up planned not to fit")
+    p.add_argument("--loops", choices=("edges", "all"), default="edges",
+                   help="trace each loop over the sequence at its edge pieces (default) or every piece")
     p.add_argument("--ulysses", type=int, default=0, metavar="N",
                    help="USP layout: every GPU in sp, Ulysses over N GPUs (a node), ring attention "
                         "across the GPUs / N groups (0: Ulysses only, sp = the most the heads allow)")
@@ -373,9 +408,10 @@ def main(argv=None) -> int:
                         "(tiles about dim^2/ffn tokens long, hundreds per layer at long context, each traced): "
                         "larger tiles can only add to the peak, so the planned length is a lower bound of the "
                         "automatic one, and a config with memory.mlp_tiles = N trains exactly what was planned")
+    p.add_argument("--confirm", nargs="*", metavar="FEATURES", default=None,
+                   help="re-plan the boundary with every layer traced, for these feature sets (none given: all)")
     p.add_argument("--no-confirm", nargs="*", metavar="FEATURES", default=None,
-                   help="keep extrapolated plans at the boundary (no full-trace re-plan), for these "
-                        "feature sets (none given: all)")
+                   help="the default now (the boundary stays extrapolated; the 5-layer check runs at the answer)")
     p.add_argument("--verify", action="store_true",
                    help="also compare extrapolated and full traces at a quarter of each model's longest fit")
     p.add_argument("--table", help="also write the markdown table here")
@@ -394,6 +430,7 @@ def main(argv=None) -> int:
         ns.models, ns.gpus = ["debug"], [2]
         ns.features = ns.features or ["baseline", "all"]
         ns.budget_gib, ns.headroom_gib, ns.granularity = 0.02, 0.0, 64
+        ns.host_budget_gib = 0.0
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

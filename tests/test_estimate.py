@@ -41,7 +41,7 @@ ACCURACY_CASES = {
     "w2_sp2_noac": (2, ["--parallelism.sp", "2"], 2048),
     "w2_sp2_fullac": (2, ["--parallelism.sp", "2", "--activation_checkpoint.mode", "full"], 2048),
     "w2_sp2_all": (2, ["--parallelism.sp", "2", "--activation_checkpoint.mode", "full",
-                       "--memory.tiled_mlp", "true", "--memory.mlp_tiles", "4",
+                       "--memory.tiled_mlp", "true", "--memory.mlp_tiles", "8",
                        "--memory.tiled_loss", "true", "--memory.loss_chunks", "4",
                        "--memory.offload_activations", "true"], 2048),
     "w2_sp2_offload_params": (2, ["--parallelism.sp", "2", "--memory.offload_params", "true"], 2048),

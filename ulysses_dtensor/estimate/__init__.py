@@ -1,7 +1,7 @@
 """Memory planner: the per-rank peak memory of one training step, traced, not guessed.
 
     python -m ulysses_dtensor.estimate --config train_configs/llama3_8b_1m.toml --world-size 8
-    python -m ulysses_dtensor.estimate --config ... --world-size 8 --max-seq-len --budget-gib 80
+    python -m ulysses_dtensor.estimate --config ... --world-size 8 --max-seq-len --budget-gib 80 --host-budget-gib 240
 
 How the figure is made
 ----------------------
@@ -44,18 +44,29 @@ and, under GQA, dk/dv expanded to all query heads).
 
 Speed
 -----
-Tracing costs about a quarter of a millisecond per dispatched op. An untiled
-8B step traces in ~15 s, 70B in about a minute; tiling multiplies the ops (an
-8B step at 3.7M tokens on 8 ranks runs ~400 MLP tiles per block and ~3500
-loss chunks). ``layers="extrapolate"`` traces 4-, 5- and 6-block versions of
-the model instead, checks that the 5-block peaks lie on the line through the
-other two (else it traces every block), and extrapolates every phase's peak,
-category and kind linearly in the block count (exact where tested: see tests
-and benchmarks/RESULTS.md);
-``"auto"`` (the default) picks whichever dispatches fewer ops, and the output
-says which was done. A search (``--max-seq-len``) interpolates on the planned
-peaks (memory grows about linearly with the length) and then re-plans the
-boundary with full traces if it was found on extrapolated plans.
+Tracing costs about a quarter of a millisecond per dispatched op, so what a
+trace costs is the ops it dispatches. Loops over the sequence (the MLP tiles,
+the loss chunks, RMSNorm's chunks: hundreds each at millions of tokens) are
+traced at their edge pieces, the first and last two
+(:func:`~ulysses_dtensor.memory.tiling.edge_pieces_only`): the pieces between
+only repeat their memory pattern, and what the loop accumulates (the tiles'
+outputs) is stood in for by one empty tensor as large. The memory is the same
+(tests compare every phase's peak with ``loops="all"``), and a step costs the
+same to trace at 10M tokens as at 100K: an 8B step of 4 blocks in 5-8 s of one
+core. ``layers="extrapolate"`` traces 4-, 5- and 6-block versions of the model
+instead of all of it, checks that the 5-block peaks (device and host, every
+phase) lie on the line through the other two (else it traces every block), and
+extrapolates every phase's peak, category and kind linearly in the block count
+(exact where tested: see tests and benchmarks/RESULTS.md); ``"auto"`` (the
+default) picks whichever costs less, and the output says which was done.
+
+A search (``--max-seq-len``) solves for the limit instead of walking to it
+(see :mod:`.search`): two to four lengths planned from 4- and 6-block traces,
+the 5-block check once at the answer, about 20-40 s of one core for an 8B or a
+70B model. The answer fits, the limit lies within ``--precision`` (0.5 %) above
+it, and a second ceiling, host memory per GPU (``--host-budget-gib``, 240 by
+default), stops it when offloaded activations and parameter state outgrow the
+node's RAM; the answer names the ceiling that binds.
 
 Layout
 ------
@@ -68,13 +79,14 @@ one step, extrapolation), ``planner`` (:func:`plan_memory`), ``search``
 from .cli import main
 from .plan import CATEGORY_LABELS, GIB, KIND_LABELS, PHASES, MemoryPlan
 from .planner import plan_memory
-from .search import SeqLenSearch, find_max_seq_len
+from .search import HOST_BUDGET_GIB, SeqLenSearch, find_max_seq_len
 
 __all__ = [
     "MemoryPlan",
     "SeqLenSearch",
     "plan_memory",
     "find_max_seq_len",
+    "HOST_BUDGET_GIB",
     "main",
     "GIB",
     "CATEGORY_LABELS",

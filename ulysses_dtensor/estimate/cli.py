@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
+from .plan import GIB
 from .planner import plan_memory
-from .search import find_max_seq_len
+from .search import HOST_BUDGET_GIB, PRECISION, find_max_seq_len
 
 _EPILOG = """\
 Every other --section.key value is a config override, as for the trainer
@@ -35,15 +36,57 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="plan for GPUs (default) or CPU")
     p.add_argument("--layers", choices=("full", "extrapolate", "auto"), default=None,
                    help="full trace, or 4/5/6-layer traces extrapolated linearly in the layer count; "
-                        "auto (default): whichever traces fewer ops")
+                        "auto (default): whichever costs less to trace")
     p.add_argument("--foreach", choices=("true", "false"), default=None, help="AdamW foreach (default: torch's choice)")
-    p.add_argument("--max-seq-len", action="store_true", help="search the longest sequence that fits the budget")
+    p.add_argument("--loops", choices=("edges", "all"), default="edges",
+                   help="trace the first and last two pieces of each loop over the sequence (tiles, chunks; "
+                        "default: the same memory, at a cost independent of the length) or all of them")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="search the longest sequence that fits the device budget and the host budget")
     p.add_argument("--budget-gib", type=float, default=80.0, help="device memory in GiB (default 80)")
     p.add_argument("--headroom-gib", type=float, default=6.0,
                    help="kept free for allocator fragmentation, CUDA context, NCCL (default 6)")
-    p.add_argument("--granularity", type=int, default=1024, help="search step in tokens per sp rank (default 1024)")
+    p.add_argument("--host-budget-gib", type=float, default=HOST_BUDGET_GIB,
+                   help=f"host memory per GPU for offloaded activations and parameter state, GiB (default "
+                        f"{HOST_BUDGET_GIB:g}: an 8-GPU node with 2 TiB of RAM, 16 GiB per GPU kept for the rest; "
+                        f"0: no host ceiling)")
+    p.add_argument("--precision", type=float, default=100 * PRECISION,
+                   help=f"percent: the limit lies within this above the answer (default {100 * PRECISION:g})")
+    p.add_argument("--granularity", type=int, default=None,
+                   help="search multiples of this many tokens per sp rank instead, the next one up planned "
+                        "not to fit (slower)")
+    p.add_argument("--confirm", action="store_true",
+                   help="re-plan the answer and the next length up with every layer traced")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
+
+
+def _search_report(res) -> str:
+    limit = res.budget_gib - res.headroom_gib
+    lines = [f"PLANNED longest sequence: {res.answer()}"]
+    best, nxt = res.best, res.next_up
+    device = (f"device: {res.budget_gib:g} GiB - {res.headroom_gib:g} GiB headroom = {limit:g} GiB of "
+              f"allocated tensors per GPU")
+    host = (f"host: {res.host_budget_gib:g} GiB per GPU (--host-budget-gib)" if res.host_budget_gib is not None
+            else "host: no ceiling")
+    if best is not None:
+        device += f", {best.peak_gib:.2f} GiB at the answer"
+        if res.host_budget_gib is not None:
+            host += f", {best.host_bytes / GIB:.1f} GiB at the answer"
+    lines.append(f"  ceilings: {device}; {host}")
+    if res.binding is not None:
+        lines.append(f"  binding ceiling: {res.binding} memory")
+    if nxt is not None:
+        over = f"{nxt.peak_gib:.2f} GiB on the device"
+        if res.host_budget_gib is not None:
+            over += f", {nxt.host_bytes / GIB:.1f} GiB on the host"
+        lines.append(f"  {nxt.seq_len:,} tokens does not fit: {over}")
+    made = "every layer traced" if res.confirmed else "extrapolated from 4/5/6-layer traces"
+    lines.append(f"  search: {len(res.plans)} lengths planned ({made}), {res.traces} traced steps, "
+                 f"{res.seconds:.0f} s; lengths are multiples of {res.unit:,} tokens")
+    if best is not None:
+        lines.append(best.format())
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,30 +100,26 @@ def main(argv: list[str] | None = None) -> int:
         foreach = None if ns.foreach is None else ns.foreach == "true"
         if ns.max_seq_len:
             log = None if ns.json else (lambda s: print(s, file=sys.stderr, flush=True))
+            if not 0 < ns.precision < 100:
+                raise ConfigError(f"--precision {ns.precision:g} must be a percentage between 0 and 100 (e.g. 0.5)")
+            if ns.host_budget_gib < 0:
+                raise ConfigError(f"--host-budget-gib {ns.host_budget_gib:g} must be GiB per GPU (0: no host ceiling)")
+            if ns.granularity is not None and ns.granularity < 1:
+                raise ConfigError(f"--granularity {ns.granularity} must be a positive number of tokens per sp rank")
             res = find_max_seq_len(
                 cfg, ns.world_size, budget_gib=ns.budget_gib, headroom_gib=ns.headroom_gib,
+                host_budget_gib=ns.host_budget_gib or None, precision=ns.precision / 100,
                 granularity=ns.granularity, rows=ns.rows or 1, device=ns.device,
-                layers=ns.layers or "auto", foreach=foreach, log=log,
+                layers=ns.layers or "auto", foreach=foreach, loops=ns.loops, confirm=ns.confirm, log=log,
             )
             if ns.json:
                 print(json.dumps(res.to_dict()))
                 return 0
-            limit = ns.budget_gib - ns.headroom_gib
-            print(
-                f"PLANNED longest sequence that fits {ns.budget_gib:g} GiB - {ns.headroom_gib:g} GiB "
-                f"headroom = {limit:g} GiB of allocated tensors per rank: {res.max_seq_len:,} tokens "
-                f"(search step {res.unit:,} tokens; "
-                f"{'boundary planned with full traces' if res.confirmed else 'boundary planned on extrapolated traces'}; "
-                f"{res.seconds:.0f} s)"
-            )
-            if res.best is not None:
-                print(res.best.format())
-            if res.next_up is not None:
-                print(f"next step up, {res.next_up.seq_len:,} tokens: {res.next_up.peak_gib:.2f} GiB > {limit:g} GiB")
+            print(_search_report(res))
             return 0
         plan = plan_memory(
             cfg, ns.world_size, ns.seq_len, rows=ns.rows, device=ns.device,
-            layers=ns.layers or "auto", foreach=foreach,
+            layers=ns.layers or "auto", foreach=foreach, loops=ns.loops,
         )
         print(json.dumps(plan.to_dict()) if ns.json else plan.format())
         return 0

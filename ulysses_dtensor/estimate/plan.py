@@ -131,6 +131,8 @@ class MemoryPlan:
             if t["extrapolated"]
             else f"one full-step trace of all {self.n_layers} layers"
         )
+        if t.get("loops") == "edges":
+            how += ", each loop over the sequence at its edge pieces"
         lines.append(f"  made by: {how}, {t['seconds']:.1f} s")
         for n in self.notes:
             lines.append(f"  note: {n}")

@@ -1,9 +1,10 @@
 """Planning: :func:`plan_memory`, one step's plan from one full trace or
-three extrapolated ones."""
+extrapolated from traces of fewer layers."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 
 from .plan import MemoryPlan
 from .trace import _extrapolate, _Trace, _trace_step, _vocab_size
@@ -32,24 +33,34 @@ def _layer_counts(cfg) -> tuple[int, int, int]:
     return 4 * period, 5 * period, 6 * period
 
 
-def _same_peaks(a: "_Trace", b: "_Trace", rel: float = 1e-3, abs_bytes: int = 1 << 20) -> bool:
-    """Every phase's peak of ``a`` within ``rel`` (or 1 MiB) of ``b``'s."""
-    if set(a.phase_peaks) != set(b.phase_peaks):
+def _same_peaks(a: _Trace, b: _Trace, rel: float = 1e-3, abs_bytes: int = 1 << 20) -> bool:
+    """Every phase's peak of ``a``, on the device and on the host, within ``rel`` (or 1 MiB) of ``b``'s."""
+    if set(a.phase_peaks) != set(b.phase_peaks) or set(a.host_phase_peaks) != set(b.host_phase_peaks):
         return False
-    for ph, pa in a.phase_peaks.items():
-        pb = b.phase_peaks[ph]["total"]
-        if abs(pa["total"] - pb) > max(abs_bytes, rel * pb):
-            return False
-    return True
+    pairs = [(pa["total"], b.phase_peaks[ph]["total"]) for ph, pa in a.phase_peaks.items()]
+    pairs += [(ha, b.host_phase_peaks[ph]) for ph, ha in a.host_phase_peaks.items()]
+    return all(abs(x - y) <= max(abs_bytes, rel * y) for x, y in pairs)
 
 
-def _cheaper_trace(cfg, args, s_local: int, counts: tuple[int, ...]) -> str:
-    """'full' or 'extrapolate', whichever dispatches fewer ops (the cost of a trace).
+# Cost of a trace in units of one traced block: building the model, the loss and the
+# optimizer step come once per trace (measured on Llama-3-8B and Qwen3-8B: ~1.5 blocks).
+_TRACE_OVERHEAD = 1.5
 
-    Rough relative costs, measured on Llama-3-8B traces: ~200 per untiled block,
-    ~40 more per MLP tile (forward, recompute and backward of each tile), ~10
-    per loss chunk; the extrapolated plan traces the loss once per trace.
+
+def _cheaper_trace(cfg, args, s_local: int, counts: tuple[int, ...], edges: bool = True) -> str:
+    """'full' or 'extrapolate' (from traces of ``counts`` blocks), whichever costs less to trace.
+
+    With ``edges`` (sequence loops traced at their edge pieces) a block costs the
+    same at any length. Without, rough relative costs measured on Llama-3-8B
+    traces: ~200 dispatched ops per untiled block, ~40 more per MLP tile (forward,
+    recompute and backward of each tile), ~10 per loss chunk, once per trace.
     """
+    if args.n_layers <= max(counts):
+        return "full"
+    if edges:
+        full = args.n_layers + _TRACE_OVERHEAD
+        extrapolated = sum(counts) + len(counts) * _TRACE_OVERHEAD
+        return "extrapolate" if extrapolated < full else "full"
     from ..memory.tiling import auto_loss_chunks, auto_num_tiles
 
     mem = cfg.memory
@@ -59,7 +70,7 @@ def _cheaper_trace(cfg, args, s_local: int, counts: tuple[int, ...]) -> str:
     loss = 10 * ((mem.loss_chunks or auto_loss_chunks(s_local, args.vocab_size)) if mem.tiled_loss else 5)
     full = args.n_layers * per_layer + loss
     extrapolated = sum(counts) * per_layer + len(counts) * loss
-    return "extrapolate" if args.n_layers > counts[-1] and extrapolated < 0.7 * full else "full"
+    return "extrapolate" if extrapolated < 0.7 * full else "full"
 
 
 def _default_world_size(cfg) -> int:
@@ -94,52 +105,51 @@ def _prepared_config(cfg, seq_len, rows, notes):
     return cfg, seq_len, batch
 
 
-def plan_memory(
-    cfg,
-    world_size: int | None = None,
-    seq_len: int | None = None,
-    *,
-    rows: int | None = None,
-    device: str = "cuda",
-    layers: str = "auto",
-    foreach: bool | None = None,
-) -> MemoryPlan:
-    """Trace one training step of ``cfg`` on rank 0 of ``world_size`` fake ranks.
+@dataclass
+class _Step:
+    """One training step to plan: its prepared config and what every trace of it shares."""
 
-    Args:
-        cfg: a :class:`~ulysses_dtensor.trainer.config.JobConfig`.
-        world_size: ranks (default: what the config's parallel degrees make,
-            with ``dp_shard=-1`` counted as 1).
-        seq_len: tokens per sequence (default: the config's longest stage).
-        rows: sequences per dp rank in the step (default: the config's global
-            batch at that length / dp). ``training.micro_batch_size`` rows go
-            through each forward; at most two micro-batches are traced (the
-            second one already holds the first one's gradients, as every later
-            one does).
-        device: ``"cuda"`` plans for GPUs (AdamW foreach as torch picks on CUDA,
-            FlashAttention-2 backward workspace added from the traced shapes);
-            ``"cpu"`` plans for this machine (no foreach, no workspace).
-        layers: ``"full"`` traces every layer; ``"extrapolate"`` traces 4, 5
-            and 6 layers and extrapolates linearly in the layer count (a full
-            trace if the three are not on a line); ``"auto"`` picks the one
-            with fewer ops to trace.
-        foreach: AdamW's foreach flag (default: torch's choice on ``device``).
+    cfg: object
+    world_size: int
+    seq_len: int
+    dims: object
+    rows: int
+    micro: int
+    traced_rows: int
+    device: str
+    foreach: bool
+    vocab: int
+    n_layers: int
+    edges: bool
+    notes: list = field(default_factory=list)
 
-    The process must not have a process group (the planner makes a fake one).
-    Raises :class:`~ulysses_dtensor.trainer.config.ConfigError` for a bad config.
-    """
+    def trace(self, n_layers: int | None = None) -> _Trace:
+        """One traced step of this model with ``n_layers`` blocks (default: all of them)."""
+        cfg = self.cfg
+        if n_layers is not None and n_layers != self.n_layers:
+            cfg = copy.deepcopy(cfg)
+            cfg.model.n_layers = n_layers
+        return _trace_step(cfg, self.world_size, rows=self.traced_rows, micro=self.micro, device=self.device,
+                           foreach=self.foreach, edges=self.edges)
+
+
+def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges) -> _Step:
+    """Check ``cfg`` for ``world_size`` ranks and prepare it for traces of one step."""
+    from ..models.llama import FLAVORS
     from ..parallel.mesh import ParallelDims
     from ..trainer.config import model_args, validate_config
 
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} must be 'cuda' or 'cpu'")
-    if layers not in ("full", "extrapolate", "auto"):
-        raise ValueError(f"layers={layers!r} must be 'full', 'extrapolate' or 'auto'")
     if world_size is None:
         world_size = _default_world_size(cfg)
     notes: list[str] = []
     cfg, seq_len, batch = _prepared_config(cfg, seq_len, rows, notes)
     if rows is not None:
+        if cfg.training.micro_batch_size and cfg.training.micro_batch_size >= rows:
+            # One forward of the rows asked for (a config's micro-batch of its own global
+            # batch would be refused as having no effect on this one).
+            cfg.training.micro_batch_size = None
         par = cfg.parallelism
         try:
             dp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring, tp=par.tp).dp
@@ -165,47 +175,81 @@ def plan_memory(
         foreach = device == "cuda"
     vocab = _vocab_size(cfg)
     args = model_args(cfg, vocab)
-    from ..models.llama import FLAVORS
-
     flavor_vocab = FLAVORS[cfg.model.flavor].vocab_size
     if vocab != flavor_vocab and not cfg.model.hf_path:  # hf_path: the model's own vocabulary
         notes.append(
             f"vocab {vocab} from data.tokenizer={cfg.data.tokenizer!r}; the flavor's own "
             f"vocabulary is {flavor_vocab} (plan it with --model.vocab_size {flavor_vocab})"
         )
+    return _Step(cfg, world_size, seq_len, dims, rows, micro, traced_rows, device, foreach, vocab,
+                 args.n_layers, edges, notes)
 
-    l1, lm, l2 = _layer_counts(cfg)
+
+def _layers_to_trace(step: _Step, layers: str, *, checked: bool = True) -> str:
+    """``layers`` ('full', 'extrapolate', 'auto') resolved to 'full' or 'extrapolate';
+    ``checked=False``: the extrapolated plans are made of two traces, not three (a
+    search checks linearity once, at its answer)."""
+    from ..trainer.config import model_args
+
+    if layers not in ("full", "extrapolate", "auto"):
+        raise ValueError(f"layers={layers!r} must be 'full', 'extrapolate' or 'auto'")
+    counts = _layer_counts(step.cfg)
+    if step.n_layers <= counts[-1]:
+        return "full"
     if layers == "auto":
-        layers = _cheaper_trace(cfg, args, seq_len // dims.sp, (l1, lm, l2))
-    trace = None
-    if layers == "extrapolate" and args.n_layers > l2:
-        traces = []
-        for n in (l1, lm, l2):
-            c = copy.deepcopy(cfg)
-            c.model.n_layers = n
-            traces.append(_trace_step(c, world_size, rows=traced_rows, micro=micro, device=device, foreach=foreach))
-        spent = sum(t.seconds for t in traces)
-        middle = _extrapolate(traces[0], traces[2], lm)
-        if _same_peaks(middle, traces[1]):
-            trace = _extrapolate(traces[0], traces[2], args.n_layers)
-            trace.seconds = spent
-            trace_info = {"layers_traced": [l1, lm, l2], "extrapolated": True, "seconds": spent}
-            notes.append(
-                f"extrapolated to {args.n_layers} layers from traces of {l1} and {l2} layers, after "
-                f"checking that the {lm}-layer trace lies on that line (every phase's peak); "
-                f"--layers full traces every layer"
-            )
-        else:
-            notes.append(
-                f"the {l1}/{lm}/{l2}-layer traces are not linear in the layer count: traced all "
-                f"{args.n_layers} layers instead"
-            )
-    if trace is None:
-        trace = _trace_step(cfg, world_size, rows=traced_rows, micro=micro, device=device, foreach=foreach)
-        if layers == "extrapolate" and args.n_layers > l2:
-            trace.seconds += spent
-        trace_info = {"layers_traced": [args.n_layers], "extrapolated": False, "seconds": trace.seconds}
+        args = model_args(step.cfg, step.vocab)
+        traced = counts if checked else (counts[0], counts[-1])
+        return _cheaper_trace(step.cfg, args, step.seq_len // step.dims.sp, traced, step.edges)
+    return layers
 
+
+def _combine(step: _Step, traces: dict, layers: str, *, check: bool = True) -> tuple[_Trace, dict, list]:
+    """The step's trace, how it was made and notes saying so, from ``traces`` (layer
+    count -> trace), tracing what is missing into ``traces``. 'extrapolate'
+    extrapolates linearly in the layer count from the shortest and longest of
+    :func:`_layer_counts`; with ``check`` only after the middle count is seen to lie
+    on that line (else every layer is traced)."""
+    n = step.n_layers
+    notes = []
+
+    def get(k: int) -> _Trace:
+        if k not in traces:
+            traces[k] = step.trace(k)
+        return traces[k]
+
+    if layers == "extrapolate":
+        l1, lm, l2 = _layer_counts(step.cfg)
+        a, b = get(l1), get(l2)
+        spent = a.seconds + b.seconds
+        linear = True
+        if check:
+            spent += get(lm).seconds
+            linear = _same_peaks(_extrapolate(a, b, lm), traces[lm])
+        if linear:
+            trace = _extrapolate(a, b, n)
+            trace.seconds = spent
+            if check:
+                notes.append(
+                    f"extrapolated to {n} layers from traces of {l1} and {l2} layers, after "
+                    f"checking that the {lm}-layer trace lies on that line (every phase's peak); "
+                    f"--layers full traces every layer"
+                )
+            else:
+                notes.append(f"extrapolated to {n} layers from traces of {l1} and {l2} layers (not checked)")
+            layers_traced = [l1, lm, l2] if check else [l1, l2]
+            return trace, {"layers_traced": layers_traced, "extrapolated": True, "seconds": spent}, notes
+        notes.append(
+            f"the {l1}/{lm}/{l2}-layer traces are not linear in the layer count: traced all "
+            f"{n} layers instead"
+        )
+    trace = get(n)
+    seconds = sum(t.seconds for t in traces.values())
+    return trace, {"layers_traced": [n], "extrapolated": False, "seconds": seconds}, notes
+
+
+def _assemble(step: _Step, trace: _Trace, trace_info: dict, trace_notes: list = ()) -> MemoryPlan:
+    """The plan of ``step`` from its (extrapolated) trace."""
+    cfg, dims, device = step.cfg, step.dims, step.device
     peak_phase = max(trace.phase_peaks, key=lambda ph: trace.phase_peaks[ph]["total"])
     peak = trace.phase_peaks[peak_phase]
     breakdown = {k: v for k, v in peak["cats"].items() if v}
@@ -226,8 +270,17 @@ def plan_memory(
         "offload": mem.offload_activations,
         "offload_params": mem.offload_params,
         "param_dtype": cfg.training.mixed_precision_param,
-        "adamw_foreach": foreach,
+        "adamw_foreach": step.foreach,
     }
+    notes = list(step.notes) + list(trace_notes)
+    trace_info = {**trace_info, "loops": "edges" if trace.edges else "all", "ops": trace.ops}
+    if trace.edges:
+        notes.append(
+            "loops over the sequence (MLP tiles, loss and RMSNorm chunks) traced at their first and "
+            "last two pieces: the others repeat their memory (--loops all traces every one)"
+        )
+    elif step.edges:
+        notes.append("every MLP tile traced: transformers records each tile's router logits for the router loss")
     if device == "cuda":
         notes.append(
             "allocated-tensor bytes: the CUDA caching allocator (fragmentation, reserved "
@@ -242,16 +295,16 @@ def plan_memory(
     notes.append("packed-document masking not modelled: traced as one causal document per row")
     return MemoryPlan(
         flavor=cfg.model.hf_path or cfg.model.flavor,
-        world_size=world_size,
+        world_size=step.world_size,
         dp_replicate=dims.dp_replicate,
         dp_shard=dims.dp_shard,
         sp=dims.sp,
         tp=dims.tp,
-        seq_len=seq_len,
-        rows=micro,
-        local_tokens=micro * seq_len // dims.sp,
-        vocab_size=vocab,
-        n_layers=args.n_layers,
+        seq_len=step.seq_len,
+        rows=step.micro,
+        local_tokens=step.micro * step.seq_len // dims.sp,
+        vocab_size=step.vocab,
+        n_layers=step.n_layers,
         device=device,
         features=features,
         peak_bytes=peak["total"],
@@ -264,3 +317,49 @@ def plan_memory(
         trace=trace_info,
         notes=notes,
     )
+
+
+def plan_memory(
+    cfg,
+    world_size: int | None = None,
+    seq_len: int | None = None,
+    *,
+    rows: int | None = None,
+    device: str = "cuda",
+    layers: str = "auto",
+    foreach: bool | None = None,
+    loops: str = "edges",
+) -> MemoryPlan:
+    """Trace one training step of ``cfg`` on rank 0 of ``world_size`` fake ranks.
+
+    Args:
+        cfg: a :class:`~ulysses_dtensor.trainer.config.JobConfig`.
+        world_size: ranks (default: what the config's parallel degrees make,
+            with ``dp_shard=-1`` counted as 1).
+        seq_len: tokens per sequence (default: the config's longest stage).
+        rows: sequences per dp rank in the step (default: the config's global
+            batch at that length / dp). ``training.micro_batch_size`` rows go
+            through each forward; at most two micro-batches are traced (the
+            second one already holds the first one's gradients, as every later
+            one does).
+        device: ``"cuda"`` plans for GPUs (AdamW foreach as torch picks on CUDA,
+            FlashAttention-2 backward workspace added from the traced shapes);
+            ``"cpu"`` plans for this machine (no foreach, no workspace).
+        layers: ``"full"`` traces every layer; ``"extrapolate"`` traces 4, 5
+            and 6 layers and extrapolates linearly in the layer count (a full
+            trace if the three are not on a line); ``"auto"`` picks the one
+            that costs less to trace.
+        foreach: AdamW's foreach flag (default: torch's choice on ``device``).
+        loops: ``"edges"`` traces the first and last two pieces of every loop
+            over the sequence (MLP tiles, loss chunks, RMSNorm chunks), which
+            gives the same memory at a cost independent of the length
+            (:func:`~ulysses_dtensor.memory.tiling.edge_pieces_only`); ``"all"``
+            traces every piece.
+
+    The process must not have a process group (the planner makes a fake one).
+    Raises :class:`~ulysses_dtensor.trainer.config.ConfigError` for a bad config.
+    """
+    if loops not in ("edges", "all"):
+        raise ValueError(f"loops={loops!r} must be 'edges' or 'all'")
+    step = _prepare(cfg, world_size, seq_len, rows=rows, device=device, foreach=foreach, edges=loops == "edges")
+    return _assemble(step, *_combine(step, {}, _layers_to_trace(step, layers)))

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,10 @@ class _Trace:
     boundaries: dict
     host_peak: int
     seconds: float
+    host_fixed: int = 0  # of host_peak, what does not grow with the length (parameter state)
+    ops: int = 0  # ops dispatched (what a trace costs)
+    host_phase_peaks: dict = field(default_factory=dict)  # phase -> host peak in it
+    edges: bool = False  # sequence loops traced at their edge pieces
 
 
 def _vocab_size(cfg) -> int:
@@ -103,9 +107,14 @@ def _vocab_size(cfg) -> int:
     return resolve_vocab_size(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
 
 
-def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, foreach: bool) -> _Trace:
+def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, foreach: bool,
+                edges: bool = True) -> _Trace:
+    """One step on rank 0 of a fake world. ``edges``: sequence loops (tiles, loss and
+    norm chunks) run only their edge pieces (:func:`~ulysses_dtensor.memory.tiling.edge_pieces_only`),
+    which leaves the memory as it is and the cost of the trace independent of the length."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..memory.tiling import edge_pieces_only
     from ..parallel.loss import count_valid_tokens
     from ..trainer.build import build_model
     from ..trainer.config import model_args, validate_config
@@ -138,6 +147,10 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
                 # Host copies on "meta": free on the traced device, counted as host memory.
                 # (Planning for CPU keeps the trainer's CPU path: a copy in the same memory.)
                 offloader.host_device = torch.device("meta")
+            if getattr(model, "_router_aux", None) is not None:
+                # transformers records each MoE tile's router logits for the router loss
+                # through hooks, which a skipped tile would not run.
+                edges = False
             optimizer = build_optimizer(cfg, model, foreach=foreach)
             # Steady state: the optimizer state exists before the traced step.
             params = [p for p in model.parameters() if p.requires_grad]
@@ -164,7 +177,7 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
                 staging=_largest_shard_group_bytes(model) if host_state else 0,
             )
             tracker.track_inputs((batch["input_ids"], batch["labels"], batch["position_ids"]))
-            with tracker:
+            with tracker, (edge_pieces_only() if edges else contextlib.nullcontext()):
                 train_step(
                     model,
                     optimizer,
@@ -183,6 +196,10 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
         boundaries=tracker.boundaries,
         host_peak=tracker.host_peak,
         seconds=time.perf_counter() - t0,
+        host_fixed=tracker.host_state_peak,
+        ops=tracker.ops,
+        edges=edges,
+        host_phase_peaks=dict(tracker.host_phase_peaks),
     )
 
 
@@ -222,5 +239,11 @@ def _extrapolate(t1: _Trace, t2: _Trace, n_layers: int) -> _Trace:
         ph: _lin_dict(t1.boundaries[ph], t2.boundaries[ph], w)
         for ph in set(t1.boundaries) & set(t2.boundaries)
     }
-    host = round(t1.host_peak + (t2.host_peak - t1.host_peak) * w)
-    return _Trace(n_layers, phases, bounds, max(0, host), t1.seconds + t2.seconds)
+    # Host memory per phase, as the device's: which phase holds the host peak can change
+    # with the block count (offloaded block inputs at the end of forward grow with it faster
+    # than the parameter state the optimizer step holds).
+    host_phases = _lin_dict(t1.host_phase_peaks, t2.host_phase_peaks, w)
+    host = max(host_phases.values(), default=0)
+    fixed = round(t1.host_fixed + (t2.host_fixed - t1.host_fixed) * w)
+    return _Trace(n_layers, phases, bounds, host, t1.seconds + t2.seconds, host_fixed=max(0, fixed),
+                  ops=t1.ops + t2.ops, edges=t1.edges and t2.edges, host_phase_peaks=host_phases)

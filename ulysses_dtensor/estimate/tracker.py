@@ -29,7 +29,7 @@ def _fa2_backward_workspace(q: torch.Tensor, k: torch.Tensor) -> int:
 
 
 def _make_tracker_cls():
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _UpdateType
 
     sdpa_bwd = set()
@@ -43,6 +43,8 @@ def _make_tracker_cls():
         op = getattr(torch.ops.aten, name, None)
         if op is not None:
             sdpa_bwd.add(op.default)
+
+    _DEVICE_OF = torch.ops.prim.device.default
 
     class StepTracker(FSDPMemTracker):
         """FSDPMemTracker + per-phase peaks + a by-kind view + untraced kernel workspace."""
@@ -58,6 +60,7 @@ def _make_tracker_cls():
             super().__init__(mod, optm)
             self._staging = staging
             self._host_cats = _HOST_STATE_CATEGORIES if host_state else ()
+            self._host_keys = [t for t in _FSDPRefType if t.value in self._host_cats]
             self._host_phases = _HOST_PHASES if host_state else ()
             self._meta_level = 0
             self._boundary_device_level = 0
@@ -65,11 +68,14 @@ def _make_tracker_cls():
             self.phase_peaks: dict[str, dict] = {}
             self.boundaries: dict[str, dict] = {}
             self.host_peak = 0
+            self.host_phase_peaks: dict[str, int] = {}  # phase -> host peak in that phase
+            self.host_state_peak = 0  # the part of it that does not grow with the length (parameter state)
+            self.ops = 0  # ops dispatched, but for device queries
             self._dev = device
             self._classify = classify
             self._gpu_workspace = gpu_workspace
             self._func = None
-            self._pending_kind = None
+            self._pending = None
             self._kinds: dict = defaultdict(int)  # (device, reftype, kind) -> bytes
 
         def _fsdp_param_group_post_backward(self, fsdp_mod, orig_post_backward):
@@ -109,8 +115,10 @@ def _make_tracker_cls():
             return {"offload_staging": self._staging} if self._staging else {}
 
         def _host_state_level(self) -> int:
+            if not self._host_cats:
+                return 0
             snap = self._curr_mem_snap.get(self._dev, {})
-            return sum(v for k, v in snap.items() if getattr(k, "value", k) in self._host_cats)
+            return sum(snap.get(k, 0) for k in self._host_keys)
 
         def _device_level(self) -> int:
             return self._curr_mem_snap.get(self._dev, {}).get(_TOTAL_KEY, 0) - self._host_state_level()
@@ -134,7 +142,12 @@ def _make_tracker_cls():
 
         # -- tracker overrides ---------------------------------------------
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is _DEVICE_OF:
+                # Asked thousands of times per step (the autograd engine, F.linear):
+                # returns no tensor, so nothing to track.
+                return func(*args, **(kwargs or {}))
             self._func = func
+            self.ops += 1
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if out is not NotImplemented and self._gpu_workspace and func in sdpa_bwd:
                 ws = _fa2_backward_workspace(args[1], args[2])
@@ -142,16 +155,17 @@ def _make_tracker_cls():
             return out
 
         def _track(self, reftype, t):
-            self._pending_kind = self._classify(self._func, t, self._mod_tracker.parents)
+            self._pending = t  # classified only if it is a new storage (not a view)
             try:
                 super()._track(reftype, t)
             finally:
-                self._pending_kind = None
+                self._pending = None
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
             if u_type == _UpdateType.ADD:
-                winfo.kind = self._pending_kind
+                t = self._pending
+                winfo.kind = None if t is None else self._classify(self._func, t, self._mod_tracker.parents)
                 self._kinds[(winfo.device, winfo.reftype, winfo.kind)] += winfo.mem_consumed
             elif u_type == _UpdateType.DEL:
                 self._kinds[(winfo.device, winfo.reftype, getattr(winfo, "kind", None))] -= winfo.mem_consumed
@@ -174,10 +188,16 @@ def _make_tracker_cls():
                     else:
                         self._record(self._device_level() + self._staging, self._staging_cat())
                         level = self._host_state_level()
-                    self.host_peak = max(self.host_peak, self._meta_level + level)
+                    self._host(self._meta_level + level)
+                    self.host_state_peak = max(self.host_state_peak, level)
                 elif dev.type == "meta":
                     self._meta_level = snap[_TOTAL_KEY]
-                    self.host_peak = max(self.host_peak, self._meta_level + self._host_state_level())
+                    self._host(self._meta_level + self._host_state_level())
+
+        def _host(self, level: int) -> None:
+            if level > self.host_phase_peaks.get(self.phase, 0):
+                self.host_phase_peaks[self.phase] = level
+                self.host_peak = max(self.host_peak, level)
 
     return StepTracker
 

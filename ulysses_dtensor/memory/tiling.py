@@ -8,11 +8,22 @@ non-reentrant activation checkpointing: forward keeps only the tile's input
 (a view of the full input, no copy), and backward recomputes one tile at a
 time, so at most one tile's intermediate is alive. Results and gradients are
 those of the untiled computation up to float reassociation.
+
+Every loop over pieces of the sequence (these tiles and chunks, the transformers
+path's, RMSNorm's chunks) runs them through :func:`checkpointed_pieces` or
+:func:`edge_pieces`, so that the memory planner can trace a step with only the
+edge pieces of each loop (:func:`edge_pieces_only`): a loop over equal pieces
+repeats the same memory pattern piece after piece, and what it accumulates
+grows by the same amount with each, so the first two and the last two pieces
+show every level the others reach. A step at millions of tokens then traces in
+the time of a short one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +64,64 @@ def _tiles(seq: int, num_tiles: int) -> list[tuple[int, int]]:
     return [(start, min(step, seq - start)) for start in range(0, seq, step)]
 
 
+# Edge pieces kept at each end of a loop under edge_pieces_only(): two, because the
+# first piece of a loop can differ from the others (a gradient buffer is created
+# rather than added to) and the last can be shorter than the others.
+_EDGE = 2
+_edge_only = False
+
+
+@contextlib.contextmanager
+def edge_pieces_only():
+    """For the memory planner's traces: sequence loops run only their first and last
+    two pieces (:func:`checkpointed_pieces`, :func:`edge_pieces`). The step's
+    results are then wrong, and its memory is that of the whole loop."""
+    global _edge_only
+    before, _edge_only = _edge_only, True
+    try:
+        yield
+    finally:
+        _edge_only = before
+
+
+def edge_pieces(pieces: list) -> list:
+    """``pieces``, or their first and last two under :func:`edge_pieces_only`.
+
+    For loops whose pieces only write into tensors allocated before the loop
+    (RMSNorm's chunks): a skipped piece changes no tensor's size or lifetime.
+    """
+    if not _edge_only or len(pieces) <= 2 * _EDGE:
+        return pieces
+    return pieces[:_EDGE] + pieces[-_EDGE:]
+
+
+def checkpointed_pieces(fn, n: int, piece, stand_in=None) -> Iterator:
+    """``fn(*piece(i))`` for ``i`` in ``range(n)``, in order, each under non-reentrant
+    activation checkpointing: a piece's intermediates exist only while it runs, in
+    forward and when backward recomputes it. ``piece(i)`` makes the arguments of
+    piece ``i`` (views of the sequence) when it runs.
+
+    Under :func:`edge_pieces_only` the middle pieces are not run, and neither is
+    their backward (it would repeat that of the pieces around them).
+    ``stand_in(out, k)`` then makes, and this yields in their place, one tensor
+    (or tuple) without grad as large as their ``k`` outputs joined, shaped after
+    ``out`` (the second piece's): the outputs accumulate as they would. Without
+    ``stand_in`` (pieces that return scalars to add up) nothing is yielded for
+    them. Pieces must be equal but for the last.
+    """
+    if not _edge_only or n <= 2 * _EDGE:
+        for i in range(n):
+            yield checkpoint(fn, *piece(i), use_reentrant=False)
+        return
+    for i in range(_EDGE):
+        out = checkpoint(fn, *piece(i), use_reentrant=False)
+        yield out
+    if stand_in is not None:
+        yield stand_in(out, n - 2 * _EDGE)
+    for i in range(n - _EDGE, n):
+        yield checkpoint(fn, *piece(i), use_reentrant=False)
+
+
 def tiled_forward(fn, x: Tensor, num_tiles: int) -> Tensor:
     """``fn(x)`` for a per-token ``fn``, over ``num_tiles`` tiles of dim 1.
 
@@ -63,7 +132,9 @@ def tiled_forward(fn, x: Tensor, num_tiles: int) -> Tensor:
     if len(tiles) == 1:
         return fn(x)
     if torch.is_grad_enabled():
-        outs = [checkpoint(fn, x.narrow(1, s, n), use_reentrant=False) for s, n in tiles]
+        outs = list(checkpointed_pieces(
+            fn, len(tiles), lambda i: (x.narrow(1, *tiles[i]),),
+            lambda out, k: out.new_empty((out.shape[0], k * out.shape[1], *out.shape[2:]))))
     else:
         outs = [fn(x.narrow(1, s, n)) for s, n in tiles]
     return torch.cat(outs, dim=1)
@@ -118,12 +189,15 @@ def tiled_cross_entropy_sum(
     seq = hidden.shape[1]
     n = num_chunks or auto_loss_chunks(hidden.shape[0] * seq, weight.shape[0])
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start, length in _tiles(seq, n):
-        h, lab = hidden.narrow(1, start, length), labels.narrow(1, start, length)
-        if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss_sum, h, weight, lab, ignore_index, use_reentrant=False)
-        else:
-            total = total + _chunk_loss_sum(h, weight, lab, ignore_index)
+    tiles = _tiles(seq, n)
+
+    def piece(i):
+        return hidden.narrow(1, *tiles[i]), weight, labels.narrow(1, *tiles[i]), ignore_index
+
+    parts = (checkpointed_pieces(_chunk_loss_sum, len(tiles), piece) if torch.is_grad_enabled()
+             else (_chunk_loss_sum(*piece(i)) for i in range(len(tiles))))
+    for part in parts:
+        total = total + part
     return total
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..memory.tiling import edge_pieces
 from ..parallel.tensor_parallel import sum_grad_over
 from ..runtime.regions import in_region
 
@@ -67,7 +68,9 @@ class _RMSNormFunction(torch.autograd.Function):
         dtype = torch.result_type(x, weight) if cast_first else x.dtype
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
         out2 = out.view(x2.shape)
-        for a, b in _chunks(*x2.shape):
+        # Chunks only write into tensors made before the loop: the memory planner
+        # traces the edge ones alone (edge_pieces).
+        for a, b in edge_pieces(_chunks(*x2.shape)):
             xf = _up(x2[a:b])
             r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
             rstd[a:b] = r
@@ -86,7 +89,7 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_x2 = None if grad_x is None else grad_x.view(x2.shape)
         grad_w = torch.zeros(weight.shape, dtype=rstd.dtype, device=weight.device)
         scale = None if cast_first else _scale(weight, offset)
-        for a, b in _chunks(*x2.shape):
+        for a, b in edge_pieces(_chunks(*x2.shape)):
             n = _normalized(x2[a:b], rstd[a:b])
             g = g2[a:b]
             if cast_first:

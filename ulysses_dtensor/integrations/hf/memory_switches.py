@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from ulysses_dtensor.memory.tiling import _tiles, auto_num_tiles
+from ulysses_dtensor.memory.tiling import _tiles, auto_num_tiles, checkpointed_pieces
 from ulysses_dtensor.models.norm import rms_norm
 from ulysses_dtensor.parallel.tensor_parallel import sum_grad_over
 
@@ -78,29 +77,51 @@ class TiledPerToken:
         if len(tiles) == 1:
             return block(hidden_states)
         flat = hidden_states.reshape(1, tokens, d)
-        grad = torch.is_grad_enabled()
-        parts = []
-        for start, length in tiles:
-            x = flat.narrow(1, start, length)
-            parts.append(checkpoint(block, x, use_reentrant=False) if grad else block(x))
-        return _join(parts, [length for _, length in tiles], b, s, self._sp_original.__name__)
+        name = self._sp_original.__name__
+        if torch.is_grad_enabled():
+            parts = list(checkpointed_pieces(
+                block, len(tiles), lambda i: (flat.narrow(1, *tiles[i]),),
+                lambda out, k: _stand_in(out, k, tiles[0][1], name)))
+        else:
+            parts = [block(flat.narrow(1, start, length)) for start, length in tiles]
+        return _join(parts, tiles[0][1], b, s, name)
 
 
-def _join(parts: list, lengths: list[int], b: int, s: int, name: str):
-    """The tiles' outputs put back together as the untiled block returns them:
-    ``(1, tile, ...)`` pieces along the tokens as ``(b, s, ...)``, ``(tile, ...)``
-    pieces (router scores of flattened tokens) as ``(b * s, ...)``."""
+def _token_dim(t, length: int, name: str) -> int:
+    """Where a tile's output of ``length`` tokens runs along the tokens: ``(1, tile, ...)``
+    (hidden states) or ``(tile, ...)`` (router scores of flattened tokens)."""
+    if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[0] == 1 and t.shape[1] == length:
+        return 1
+    if isinstance(t, Tensor) and t.shape[:1] == (length,):
+        return 0
+    raise TypeError(f"memory.tiled_mlp: {name} returned {type(t).__name__} "
+                    f"{tuple(getattr(t, 'shape', ()))} for a tile of {length} tokens, which is "
+                    "not per token; it cannot be tiled")
+
+
+def _stand_in(out, k: int, length: int, name: str):
+    """For the memory planner (edge pieces): one empty output as large as ``k`` tiles' ``out``."""
+    def grow(t):
+        if t is None:
+            return None
+        dim = _token_dim(t, length, name)
+        return t.new_empty((*t.shape[:dim], k * t.shape[dim], *t.shape[dim + 1:]))
+
+    return tuple(grow(t) for t in out) if isinstance(out, tuple) else grow(out)
+
+
+def _join(parts: list, length: int, b: int, s: int, name: str):
+    """The tiles' outputs (all but the last ``length`` tokens long) put back together
+    as the untiled block returns them: ``(1, tile, ...)`` pieces along the tokens as
+    ``(b, s, ...)``, ``(tile, ...)`` pieces (router scores of flattened tokens) as
+    ``(b * s, ...)``."""
     def cat(items: list):
         first = items[0]
         if first is None:
             return None
-        if isinstance(first, Tensor) and first.dim() >= 2 and first.shape[0] == 1 and first.shape[1] == lengths[0]:
+        if _token_dim(first, length, name) == 1:
             return torch.cat(items, dim=1).reshape(b, s, *first.shape[2:])
-        if isinstance(first, Tensor) and first.shape[:1] == (lengths[0],):
-            return torch.cat(items, dim=0)
-        raise TypeError(f"memory.tiled_mlp: {name} returned {type(first).__name__} "
-                        f"{tuple(getattr(first, 'shape', ()))} for a tile of {lengths[0]} tokens, which is "
-                        "not per token; it cannot be tiled")
+        return torch.cat(items, dim=0)
 
     if isinstance(parts[0], tuple):
         return tuple(cat([p[i] for p in parts]) for i in range(len(parts[0])))

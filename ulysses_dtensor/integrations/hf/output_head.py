@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from ulysses_dtensor.memory.tiling import auto_loss_chunks
+from ulysses_dtensor.memory.tiling import auto_loss_chunks, checkpointed_pieces
 from ulysses_dtensor.parallel.loss import IGNORE_INDEX
 
 __all__ = ["OutputHead", "OutputHeadSpec", "SPOutputHead", "check_output_head", "output_head_spec"]
@@ -213,11 +212,16 @@ class SPOutputHead:
         else:
             total = hidden.new_zeros((), dtype=torch.float32)
             step = math.ceil(seq / n)
-            for start in range(0, seq, step):
-                args = (hidden[:, start:start + step], self.weight, self.bias, labels[:, start:start + step],
-                        self.sp_spec)
-                total = total + (checkpoint(_chunk_loss_sum, *args, use_reentrant=False) if torch.is_grad_enabled()
-                                 else _chunk_loss_sum(*args))
+            starts = range(0, seq, step)
+
+            def piece(i):
+                a = starts[i]
+                return hidden[:, a:a + step], self.weight, self.bias, labels[:, a:a + step], self.sp_spec
+
+            parts = (checkpointed_pieces(_chunk_loss_sum, len(starts), piece) if torch.is_grad_enabled()
+                     else (_chunk_loss_sum(*piece(i)) for i in range(len(starts))))
+            for part in parts:
+                total = total + part
         return total / torch.as_tensor(num_valid_tokens, device=total.device).clamp(min=1)
 
 
