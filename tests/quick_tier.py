@@ -116,6 +116,7 @@ TESTS = {
         "test_training_arguments_translate_to_the_parallelize_options",
         "test_batches_that_cannot_run_are_refused_and_right_padding_runs",
     ],
+    "test_estimate_kernels.py": ["test_plain_causal_on_hopper_plans_cudnn_and_a_named_backend_is_checked_on_that_gpu"],
     "test_estimate.py": [
         "test_dtensor_shape_propagation_is_not_counted",
         "test_cli_reports_a_bad_config_clearly",

@@ -34,7 +34,25 @@ from .kernel_table import Case, Choice, auto_choice, cudnn_refusal, fa4_refusal,
 from .pattern import Pattern
 from .select import FEATURES, SUPPORTS, kernel_refusal
 
-__all__ = ["planned_attention", "planned_choice", "planning_for", "planning_target"]
+__all__ = ["PlannedKernelError", "default_target", "planned_attention", "planned_choice", "planning_for",
+           "planning_target"]
+
+class PlannedKernelError(ValueError):
+    """A named backend that cannot run a call's case on the machine planned for."""
+
+
+def default_target(device: str) -> Capabilities:
+    """The machine a plan for ``device`` ("cuda" or "cpu") is for, when none is named:
+    this machine's GPU when it has one, else an H100 with this torch's version (and
+    the cuDNN its CUDA 13 wheels ship); the CPU for "cpu"."""
+    import torch
+
+    if device == "cpu":
+        return Capabilities.read("cpu")
+    if torch.cuda.is_available():
+        return Capabilities.probe("cuda")
+    return Capabilities.target("H100", torch.__version__)
+
 
 # (target machine, counts of the choices made) while planning; None otherwise.
 _TARGET: tuple[Capabilities, Counter] | None = None
@@ -60,7 +78,7 @@ def planning_target() -> Capabilities | None:
 
 def planned_choice(backend: str, case: Case, caps: Capabilities) -> Choice:
     """What runs ``case`` on ``caps``: ``auto``'s row, or the named ``backend`` if it
-    can run there (ValueError naming the backend, the machine and the reason if not)."""
+    can run there (:class:`PlannedKernelError` naming the backend, the machine and the reason if not)."""
     if backend == "auto":
         return auto_choice(case, caps)
     features = {f for f in FEATURES if getattr(case, f)}
@@ -77,7 +95,7 @@ def planned_choice(backend: str, case: Case, caps: Capabilities) -> Choice:
     elif not why and backend == "varlen" and not (caps.varlen and (caps.varlen_window or not case.window)):
         why = "its torch has no varlen_attn" + (" with window_size" if caps.varlen else "")
     if why:
-        raise ValueError(f"attention backend {backend!r} cannot run {case.name()} on the planned machine "
+        raise PlannedKernelError(f"attention backend {backend!r} cannot run {case.name()} on the planned machine "
                          f"({caps.describe()}): {why}")
     return Choice(backend, case.name(), "named in the config", "named", memory_class(backend, case))
 

@@ -41,6 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--loops", choices=("edges", "all"), default="edges",
                    help="trace the first and last two pieces of each loop over the sequence (tiles, chunks; "
                         "default: the same memory, at a cost independent of the length) or all of them")
+    p.add_argument("--gpu", default=None,
+                   help="the GPU planned for: its attention kernels (auto's row of the kernel table for each "
+                        "case) decide what attention keeps; a name (H100, H200, B200, A100, ...) or sm90 "
+                        "(default: this machine's GPU, else H100)")
+    p.add_argument("--gpu-torch", default=None, help="torch version on that GPU machine (default: this torch's)")
+    p.add_argument("--gpu-cudnn", default=None,
+                   help="cuDNN version there (default: what torch's CUDA 13 wheels ship, 9.15.1)")
+    p.add_argument("--gpu-packages", default="",
+                   help="attention packages installed there, comma-separated: flash_attn, fa4 (default: none)")
     p.add_argument("--max-seq-len", action="store_true",
                    help="search the longest sequence that fits the device budget and the host budget")
     p.add_argument("--budget-gib", type=float, default=80.0, help="device memory in GiB (default 80)")
@@ -89,6 +98,26 @@ def _search_report(res) -> str:
     return "\n".join(lines)
 
 
+def _target(ns):
+    """The machine --gpu* name (None: planning's default), or a ConfigError."""
+    import torch
+
+    from ..attention import Capabilities
+    from ..trainer.config import ConfigError
+
+    named = [f"--{k.replace('_', '-')}" for k in ("gpu", "gpu_torch", "gpu_cudnn", "gpu_packages") if getattr(ns, k)]
+    if not named:
+        return None
+    if ns.device == "cpu":
+        raise ConfigError(f"{', '.join(named)}: a GPU is planned for with --device cuda, not cpu")
+    packages = tuple(p.strip() for p in ns.gpu_packages.split(",") if p.strip())
+    try:
+        return Capabilities.target(ns.gpu or "H100", ns.gpu_torch or torch.__version__, cudnn=ns.gpu_cudnn,
+                                   packages=packages)
+    except ValueError as e:
+        raise ConfigError(f"{', '.join(named)}: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..trainer.config import ConfigError, load_config
 
@@ -97,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ns, rest = parser.parse_known_args(argv)
     try:
         cfg = load_config(rest + (["--config", ns.config] if ns.config else []))
+        target = _target(ns)
         foreach = None if ns.foreach is None else ns.foreach == "true"
         if ns.max_seq_len:
             log = None if ns.json else (lambda s: print(s, file=sys.stderr, flush=True))
@@ -111,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 host_budget_gib=ns.host_budget_gib or None, precision=ns.precision / 100,
                 granularity=ns.granularity, rows=ns.rows or 1, device=ns.device,
                 layers=ns.layers or "auto", foreach=foreach, loops=ns.loops, confirm=ns.confirm, log=log,
+                target=target,
             )
             if ns.json:
                 print(json.dumps(res.to_dict()))
@@ -119,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         plan = plan_memory(
             cfg, ns.world_size, ns.seq_len, rows=ns.rows, device=ns.device,
-            layers=ns.layers or "auto", foreach=foreach, loops=ns.loops,
+            layers=ns.layers or "auto", foreach=foreach, loops=ns.loops, target=target,
         )
         print(json.dumps(plan.to_dict()) if ns.json else plan.format())
         return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..attention.kernel_table import MEMORY
+
 GIB = 1 << 30
 
 # Tracker categories (_FSDPRefType values) -> what the planner prints.
@@ -65,6 +67,8 @@ class MemoryPlan:
     trace: dict  # how the figure was made: layers traced, extrapolated, seconds
     notes: list = field(default_factory=list)
     tp: int = 1
+    target: str = ""  # the machine whose attention kernels were planned (Capabilities.describe())
+    attention: list = field(default_factory=list)  # the kernels planned: kernel, case, why, memory, calls
 
     @property
     def peak_gib(self) -> float:
@@ -121,6 +125,10 @@ class MemoryPlan:
         for ph in PHASES:
             if ph in self.phase_peaks:
                 lines.append(f"    {ph:58s}{g(self.phase_peaks[ph])}")
+        if self.attention:
+            lines.append(f"  attention planned as {self.target} runs it:")
+            for a in self.attention:
+                lines.append(f"    {a['kernel']} for {a['case']} ({a['why']}): keeps {MEMORY[a['memory']]}")
         lines.append(f"  saved activations when backward starts{'':19s}{g(self.saved_activation_bytes)}")
         if self.host_bytes:
             lines.append(f"  host (pinned CPU) memory for offloaded tensors{'':11s}{g(self.host_bytes)}")

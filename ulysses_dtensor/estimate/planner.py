@@ -6,14 +6,9 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from ..attention.planning import default_target
 from .plan import MemoryPlan
 from .trace import _extrapolate, _Trace, _trace_step, _vocab_size
-
-# Backends that run on CUDA only (or, on CPU, forward only), and "auto", which
-# picks one of them at run time: traced as SDPA, whose CPU flash kernel keeps
-# O(seq) memory like the GPU kernels do.
-_TRACE_AS_SDPA = {"varlen", "flash_attn", "flex", "auto"}
-
 
 def _layer_counts(cfg) -> tuple[int, int, int]:
     """Layer counts of the three traces an extrapolated plan is made from.
@@ -85,14 +80,6 @@ def _prepared_config(cfg, seq_len, rows, notes):
     if seq_len is None:
         seq_len = schedule.max_seq_len
     batch = max(1, schedule.batch_for(seq_len))
-    if cfg.model.attn_backend in _TRACE_AS_SDPA:
-        what = (
-            "'auto' (flash_attn or varlen on CUDA in 16-bit)"
-            if cfg.model.attn_backend == "auto"
-            else f"{cfg.model.attn_backend!r}, which needs CUDA"
-        )
-        notes.append(f"attention traced with 'sdpa' (CPU flash kernel, O(seq) memory) in place of {what}")
-        cfg.model.attn_backend = "sdpa"
     if cfg.training.compile:
         notes.append(
             "traced eagerly: torch.compile (training.compile=true) fuses elementwise ops and "
@@ -121,7 +108,10 @@ class _Step:
     vocab: int
     n_layers: int
     edges: bool
+    target: object  # the Capabilities whose attention kernels are planned
     notes: list = field(default_factory=list)
+    attention: dict = field(default_factory=dict)  # Choice -> calls, of the longest model traced
+    attention_layers: int = 0
 
     def trace(self, n_layers: int | None = None) -> _Trace:
         """One traced step of this model with ``n_layers`` blocks (default: all of them)."""
@@ -129,12 +119,16 @@ class _Step:
         if n_layers is not None and n_layers != self.n_layers:
             cfg = copy.deepcopy(cfg)
             cfg.model.n_layers = n_layers
-        return _trace_step(cfg, self.world_size, rows=self.traced_rows, micro=self.micro, device=self.device,
-                           foreach=self.foreach, edges=self.edges)
+        trace = _trace_step(cfg, self.world_size, rows=self.traced_rows, micro=self.micro, device=self.device,
+                            foreach=self.foreach, edges=self.edges, target=self.target)
+        if trace.n_layers >= self.attention_layers:
+            self.attention, self.attention_layers = trace.attention, trace.n_layers
+        return trace
 
 
-def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges) -> _Step:
-    """Check ``cfg`` for ``world_size`` ranks and prepare it for traces of one step."""
+def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges, target=None) -> _Step:
+    """Check ``cfg`` for ``world_size`` ranks and prepare it for traces of one step
+    (attention planned for ``target``: see :func:`plan_memory`)."""
     from ..models.llama import FLAVORS
     from ..parallel.mesh import ParallelDims
     from ..trainer.config import model_args, validate_config
@@ -181,8 +175,12 @@ def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges) -> _Step
             f"vocab {vocab} from data.tokenizer={cfg.data.tokenizer!r}; the flavor's own "
             f"vocabulary is {flavor_vocab} (plan it with --model.vocab_size {flavor_vocab})"
         )
+    if target is None:
+        target = default_target(device)
+    elif device == "cpu" and target.cuda:
+        raise ValueError(f"planning for device 'cpu' with a GPU target ({target.describe()}): plan for 'cuda'")
     return _Step(cfg, world_size, seq_len, dims, rows, micro, traced_rows, device, foreach, vocab,
-                 args.n_layers, edges, notes)
+                 args.n_layers, edges, target, notes)
 
 
 def _layers_to_trace(step: _Step, layers: str, *, checked: bool = True) -> str:
@@ -292,7 +290,8 @@ def _assemble(step: _Step, trace: _Trace, trace_info: dict, trace_notes: list = 
             "host memory, and gradient clipping and the AdamW step as host work; the device keeps "
             "the gathered parameters in use and the H2D copies of the shards being gathered"
         )
-    notes.append("packed-document masking not modelled: traced as one causal document per row")
+    notes.append("packed documents not traced (one causal document per row): the kernel planned for them keeps "
+                 "the same memory when its class is O(S) (cu_seqlens, a block mask)")
     return MemoryPlan(
         flavor=cfg.model.hf_path or cfg.model.flavor,
         world_size=step.world_size,
@@ -316,7 +315,17 @@ def _assemble(step: _Step, trace: _Trace, trace_info: dict, trace_notes: list = 
         host_bytes=trace.host_peak,
         trace=trace_info,
         notes=notes,
+        target=step.target.describe(),
+        attention=_planned_attention(step),
     )
+
+
+def _planned_attention(step: _Step) -> list[dict]:
+    """The attention kernels the plan is for, one entry per (kernel, case): what the
+    target machine runs, why, the memory it keeps, and its calls in a traced step."""
+    return [{"kernel": c.backend, "case": c.case, "why": c.why, "memory": c.memory,
+             "calls": calls, "layers_traced": step.attention_layers}
+            for c, calls in sorted(step.attention.items(), key=lambda kv: -kv[1])]
 
 
 def plan_memory(
@@ -329,6 +338,7 @@ def plan_memory(
     layers: str = "auto",
     foreach: bool | None = None,
     loops: str = "edges",
+    target=None,
 ) -> MemoryPlan:
     """Trace one training step of ``cfg`` on rank 0 of ``world_size`` fake ranks.
 
@@ -355,11 +365,19 @@ def plan_memory(
             gives the same memory at a cost independent of the length
             (:func:`~ulysses_dtensor.memory.tiling.edge_pieces_only`); ``"all"``
             traces every piece.
+        target: the :class:`~ulysses_dtensor.attention.Capabilities` of the machine
+            planned for: each attention call is planned with the kernel it runs
+            there for the call's case (``auto``'s row of the kernel table, or the
+            named backend, refused as a ConfigError where it cannot run), which
+            decides whether it keeps O(S) or a dense (S, S) mask / scores. Default
+            (:func:`~ulysses_dtensor.attention.planning.default_target`): this
+            machine's GPU, else an H100 with this torch; the CPU for ``device="cpu"``.
 
     The process must not have a process group (the planner makes a fake one).
     Raises :class:`~ulysses_dtensor.trainer.config.ConfigError` for a bad config.
     """
     if loops not in ("edges", "all"):
         raise ValueError(f"loops={loops!r} must be 'edges' or 'all'")
-    step = _prepare(cfg, world_size, seq_len, rows=rows, device=device, foreach=foreach, edges=loops == "edges")
+    step = _prepare(cfg, world_size, seq_len, rows=rows, device=device, foreach=foreach, edges=loops == "edges",
+                    target=target)
     return _assemble(step, *_combine(step, {}, _layers_to_trace(step, layers)))

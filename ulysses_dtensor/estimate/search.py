@@ -209,6 +209,7 @@ def find_max_seq_len(
     max_plans: int = 12,
     guess: tuple[int, ...] | None = None,
     log=None,
+    target=None,
 ) -> SeqLenSearch:
     """Longest ``seq_len`` whose planned step fits the GPU's and the host's memory.
 
@@ -221,6 +222,7 @@ def find_max_seq_len(
     planned and does not fit. See the module doc for how it searches;
     ``layers``, ``foreach`` and ``loops`` as in :func:`plan_memory`. ``confirm``
     re-plans the boundary with every layer traced when it was extrapolated.
+    ``target``: the machine whose attention kernels are planned (:func:`plan_memory`).
     ``guess``: lengths (tokens) planned first, e.g. a bracket read off a nearby
     layout's answer. ``max_plans`` bounds the points planned after them (the
     answer is then the best so far, with the precision it reached).
@@ -233,7 +235,7 @@ def find_max_seq_len(
         world_size = _default_world_size(cfg)
     t0 = time.perf_counter()
     edges = loops == "edges"
-    first = _prepare(cfg, world_size, None, rows=rows, device=device, foreach=foreach, edges=edges)
+    first = _prepare(cfg, world_size, None, rows=rows, device=device, foreach=foreach, edges=edges, target=target)
     unit = _unit(first.dims, granularity)
     if max_units is None:
         max_units = max(1, (1 << 31) // unit)
@@ -247,7 +249,7 @@ def find_max_seq_len(
     def plan(k: int, how: str, check: bool = False) -> _Point:
         if (k, how) not in traced:
             traced[(k, how)] = (_prepare(cfg, world_size, k * unit, rows=rows, device=device, foreach=foreach,
-                                         edges=edges), {})
+                                         edges=edges, target=first.target), {})
         step, traces = traced[(k, how)]
         trace, info, notes = _combine(step, traces, how, check=check)
         pl = _assemble(step, trace, info, notes)

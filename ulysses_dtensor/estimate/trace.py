@@ -98,6 +98,7 @@ class _Trace:
     ops: int = 0  # ops dispatched (what a trace costs)
     host_phase_peaks: dict = field(default_factory=dict)  # phase -> host peak in it
     edges: bool = False  # sequence loops traced at their edge pieces
+    attention: dict = field(default_factory=dict)  # Choice (the kernel planned) -> calls in the step
 
 
 def _vocab_size(cfg) -> int:
@@ -108,18 +109,24 @@ def _vocab_size(cfg) -> int:
 
 
 def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, foreach: bool,
-                edges: bool = True) -> _Trace:
+                edges: bool = True, target=None) -> _Trace:
     """One step on rank 0 of a fake world. ``edges``: sequence loops (tiles, loss and
     norm chunks) run only their edge pieces (:func:`~ulysses_dtensor.memory.tiling.edge_pieces_only`),
-    which leaves the memory as it is and the cost of the trace independent of the length."""
+    which leaves the memory as it is and the cost of the trace independent of the length.
+    ``target``: the machine whose attention kernels are planned
+    (:func:`~ulysses_dtensor.attention.planning.planning_for`; default: the one
+    :func:`~ulysses_dtensor.attention.planning.default_target` names)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..attention.planning import PlannedKernelError, default_target, planning_for
     from ..memory.tiling import edge_pieces_only
     from ..parallel.loss import count_valid_tokens
     from ..trainer.build import build_model
-    from ..trainer.config import model_args, validate_config
+    from ..trainer.config import ConfigError, model_args, validate_config
     from ..trainer.step import build_optimizer, train_step
 
+    if target is None:
+        target = default_target(device)
     dims = validate_config(cfg, world_size, weights=False)
     vocab = _vocab_size(cfg)
     args = model_args(cfg, vocab)
@@ -127,8 +134,6 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
         # The planner's shorter traces set n_layers; an HF config.json fixes the rest.
         args = dataclasses.replace(args, n_layers=cfg.model.n_layers)
     if getattr(args, "num_experts", 0) and cfg.training.mixed_precision_param != "bfloat16":
-        from ..trainer.config import ConfigError
-
         raise ConfigError(
             f"planning {args.architecture} (transformers' MoE experts) needs "
             f"training.mixed_precision_param='bfloat16': the shape function of its grouped expert "
@@ -136,60 +141,63 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
     seq_len = cfg.training.seq_len
     s_local = seq_len // dims.sp
     t0 = time.perf_counter()
-    with _fake_world(world_size):
-        pmesh = dims.build_mesh("cpu")  # before fake mode: flattening reads real tensors
-        with FakeTensorMode(allow_non_fake_inputs=True), _private_sharding_prop_fake_mode(), \
-                _meshes_outside_fake_mode():
-            # Weight values do not matter for memory, and the init needs real data.
-            model = build_model(cfg, pmesh, vocab, torch.device("cpu"), init_weights=False, args=args)
-            offloader = getattr(model, "offloader", None)
-            if offloader is not None and device == "cuda":
-                # Host copies on "meta": free on the traced device, counted as host memory.
-                # (Planning for CPU keeps the trainer's CPU path: a copy in the same memory.)
-                offloader.host_device = torch.device("meta")
-            if getattr(model, "_router_aux", None) is not None:
-                # transformers records each MoE tile's router logits for the router loss
-                # through hooks, which a skipped tile would not run.
-                edges = False
-            optimizer = build_optimizer(cfg, model, foreach=foreach)
-            # Steady state: the optimizer state exists before the traced step.
-            params = [p for p in model.parameters() if p.requires_grad]
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    try:
+        with _fake_world(world_size), planning_for(target) as attention:
+            pmesh = dims.build_mesh("cpu")  # before fake mode: flattening reads real tensors
+            with FakeTensorMode(allow_non_fake_inputs=True), _private_sharding_prop_fake_mode(), \
+                    _meshes_outside_fake_mode():
+                # Weight values do not matter for memory, and the init needs real data.
+                model = build_model(cfg, pmesh, vocab, torch.device("cpu"), init_weights=False, args=args)
+                offloader = getattr(model, "offloader", None)
+                if offloader is not None and device == "cuda":
+                    # Host copies on "meta": free on the traced device, counted as host memory.
+                    # (Planning for CPU keeps the trainer's CPU path: a copy in the same memory.)
+                    offloader.host_device = torch.device("meta")
+                if getattr(model, "_router_aux", None) is not None:
+                    # transformers records each MoE tile's router logits for the router loss
+                    # through hooks, which a skipped tile would not run.
+                    edges = False
+                optimizer = build_optimizer(cfg, model, foreach=foreach)
+                # Steady state: the optimizer state exists before the traced step.
+                params = [p for p in model.parameters() if p.requires_grad]
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
 
-            batch = {
-                "input_ids": torch.zeros(rows, s_local, dtype=torch.long),
-                "labels": torch.zeros(rows, s_local, dtype=torch.long),
-                "position_ids": torch.arange(s_local).repeat(rows, 1),
-                "document_ids": None,
-            }
-            n_valid = count_valid_tokens(batch["labels"], pmesh.loss)
-            host_state = cfg.memory.offload_params and device == "cuda"
-            tracker = _make_tracker_cls()(
-                model,
-                optimizer,
-                classify=_classifier(vocab, args.ffn_dim, args.dim, ring=dims.ring > 1),
-                device=torch.device("cpu"),
-                gpu_workspace=device == "cuda",
-                host_state=host_state,
-                staging=_largest_shard_group_bytes(model) if host_state else 0,
-            )
-            tracker.track_inputs((batch["input_ids"], batch["labels"], batch["position_ids"]))
-            with tracker, (edge_pieces_only() if edges else contextlib.nullcontext()):
-                train_step(
+                batch = {
+                    "input_ids": torch.zeros(rows, s_local, dtype=torch.long),
+                    "labels": torch.zeros(rows, s_local, dtype=torch.long),
+                    "position_ids": torch.arange(s_local).repeat(rows, 1),
+                    "document_ids": None,
+                }
+                n_valid = count_valid_tokens(batch["labels"], pmesh.loss)
+                host_state = cfg.memory.offload_params and device == "cuda"
+                tracker = _make_tracker_cls()(
                     model,
                     optimizer,
-                    batch,
-                    n_valid,
-                    micro_batch_size=micro,
-                    max_norm=cfg.training.max_norm or math.inf,
-                    lr=cfg.optimizer.lr,
-                    params=params,
-                    on_phase=tracker.set_phase,
+                    classify=_classifier(vocab, args.ffn_dim, args.dim, ring=dims.ring > 1),
+                    device=torch.device("cpu"),
+                    gpu_workspace=device == "cuda",
+                    host_state=host_state,
+                    staging=_largest_shard_group_bytes(model) if host_state else 0,
                 )
-            del model, optimizer, params, batch
+                tracker.track_inputs((batch["input_ids"], batch["labels"], batch["position_ids"]))
+                with tracker, (edge_pieces_only() if edges else contextlib.nullcontext()):
+                    train_step(
+                        model,
+                        optimizer,
+                        batch,
+                        n_valid,
+                        micro_batch_size=micro,
+                        max_norm=cfg.training.max_norm or math.inf,
+                        lr=cfg.optimizer.lr,
+                        params=params,
+                        on_phase=tracker.set_phase,
+                    )
+                del model, optimizer, params, batch
+    except PlannedKernelError as e:
+        raise ConfigError(f"model.attn_backend={cfg.model.attn_backend!r}: {e}") from None
     return _Trace(
         n_layers=args.n_layers,
         phase_peaks=tracker.phase_peaks,
@@ -200,6 +208,7 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
         ops=tracker.ops,
         edges=edges,
         host_phase_peaks=dict(tracker.host_phase_peaks),
+        attention=dict(attention),
     )
 
 

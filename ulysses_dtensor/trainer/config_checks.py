@@ -408,10 +408,19 @@ def check_attention_kernel(backend: str, args, device, dtype) -> None:
     flash-attn-4 package), is refused here, before any step; ``auto`` picks one that can."""
     import torch
 
+    from ..attention.kernel_table import Case
+    from ..attention.planning import PlannedKernelError, planned_choice, planning_target
     from ..attention.select import backend_refusal
 
     device = torch.device(device)
     head_dim, v_head_dim = args.head_dim, getattr(args, "v_head_dim", 0) or None
+    target = planning_target()
+    if target is not None:  # the memory planner: the kernel must run on the GPU planned for
+        try:
+            planned_choice(backend, Case(dtype, head_dim, v_head_dim), target)
+        except PlannedKernelError as e:
+            raise ConfigError(f"model.attn_backend={backend!r}: {e}") from None
+        return
     why = backend_refusal(backend, device, dtype, head_dim, v_head_dim)
     if why:
         dims = head_dim if v_head_dim in (None, head_dim) else f"{head_dim}, v {v_head_dim}"
