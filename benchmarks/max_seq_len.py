@@ -129,7 +129,7 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulys
         model = ["--model.flavor", flavor] + ([] if quick else ["--model.vocab_size", str(VOCAB)])
     argv = [
         *model,
-        "--model.attn_backend", "sdpa",
+        "--model.attn_backend", "auto",  # planned as the kernel auto runs on the target GPU (--gpu of estimate)
         "--training.mixed_precision_param", "bfloat16",
         "--training.mixed_precision_reduce", "float32",
         "--training.global_batch_size", str(dp_shard),
