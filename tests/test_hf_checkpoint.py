@@ -521,7 +521,7 @@ def test_shipped_hf_configs_validate(families, tmp_path):
         cfg = load_config(["--config", str(REPO / "train_configs" / f"{name}.toml"), "--model.hf_path", str(path)])
         assert validate_config(cfg, world).sp == cfg.parallelism.sp
     assert model_args(cfg, 0) == llama_args(
-        "llama3_8b", rope_layout="half", explicit_head_dim=128, attn_backend="varlen")
+        "llama3_8b", rope_layout="half", explicit_head_dim=128, attn_backend="auto")
 
 
 def test_library_imports_without_the_hf_extra():
