@@ -121,7 +121,7 @@ TESTS = {
         "test_dtensor_shape_propagation_is_not_counted",
         "test_cli_reports_a_bad_config_clearly",
     ],
-    "test_estimate_speed.py": ["test_edge_pieces_plan_the_memory_of_every_piece"],
+    "test_estimate_speed.py": ["test_cli_states_the_precision_and_the_binding_ceiling"],
     "test_evaluation.py": [
         "test_held_out_split_never_read_by_training",
         "test_generators_exact_position_length_determinism",

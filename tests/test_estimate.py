@@ -494,24 +494,6 @@ def test_cli_reports_a_bad_config_clearly(capsys):
     assert "error:" in err and "parallelism" in err
 
 
-def test_cli_max_seq_len_fits_and_the_next_step_does_not(capsys):
-    budget, headroom, gran = 0.03, 0.0, 64
-    code, out, err = _cli(
-        capsys, "--config", str(ROOT / "train_configs/debug_model.toml"), "--world-size", "2",
-        "--parallelism.sp", "2", "--max-seq-len", "--budget-gib", str(budget),
-        "--headroom-gib", str(headroom), "--granularity", str(gran), "--device", "cpu", "--json",
-    )
-    assert code == 0, err
-    res = json.loads(out)
-    best = res["max_seq_len"]
-    assert best > 0 and best % (gran * 2) == 0
-    cfg = load_config(["--config", str(ROOT / "train_configs/debug_model.toml"), "--parallelism.sp", "2"])
-    limit = budget * GIB
-    fits = plan_memory(cfg, 2, best, rows=1, device="cpu")
-    over = plan_memory(cfg, 2, best + res["unit"], rows=1, device="cpu")
-    assert fits.peak_bytes <= limit < over.peak_bytes
-
-
 def test_search_api_agrees_with_plans():
     cfg = load_config(FEAT + ["--activation_checkpoint.mode", "full"])
     res = find_max_seq_len(cfg, 2, budget_gib=0.05, headroom_gib=0.0, granularity=128, device="cpu")
@@ -528,19 +510,24 @@ def test_search_api_agrees_with_plans():
         assert planned is None or [p[0] for p in again.plans] == planned
 
 
-def test_cli_max_seq_len_with_save_attention(capsys):
-    """The longest context with save_attention: the search plans the variant the config asks
-    for (its report says so), the next step up does not fit, and full AC needs less there."""
+def test_cli_max_seq_len_fits_and_the_next_step_does_not(capsys):
+    """``--max-seq-len --granularity``: the answer is a multiple of granularity x sp that fits,
+    planned again here, and the next one up does not. Planned with save_attention: the search
+    plans the variant the config asks for (its report says so), and full AC needs less there."""
     from ulysses_dtensor.estimate import MemoryPlan
 
-    budget = 0.02
+    budget, gran = 0.02, 128
     code, out, err = _cli(capsys, *FEAT, *SAVE, "--max-seq-len", "--budget-gib", str(budget), "--headroom-gib", "0",
-                          "--granularity", "128", "--device", "cpu", "--json")
+                          "--granularity", str(gran), "--device", "cpu", "--json")
     assert code == 0, err
     res = json.loads(out)
     best, next_up = res["best"], res["next_up"]
-    assert best["features"]["save_attention"] is True and next_up["seq_len"] == res["max_seq_len"] + 256
+    assert res["max_seq_len"] > 0 and res["max_seq_len"] % (gran * 2) == 0 and res["unit"] == gran * 2
+    assert best["features"]["save_attention"] is True and next_up["seq_len"] == res["max_seq_len"] + res["unit"]
     assert best["peak_bytes"] <= budget * GIB < next_up["peak_bytes"]
+    cfg = load_config(FEAT + list(SAVE))
+    fits, over = (plan_memory(cfg, 2, s, rows=1, device="cpu") for s in (best["seq_len"], next_up["seq_len"]))
+    assert fits.peak_bytes <= budget * GIB < over.peak_bytes
     full = plan_memory(load_config(FEAT + list(FULL)), 2, next_up["seq_len"], rows=1, device="cpu")
     assert full.peak_bytes < next_up["peak_bytes"]
     text = MemoryPlan(**{k: v for k, v in best.items() if k != "peak_gib"}).format()  # what the text report prints
