@@ -6,7 +6,7 @@ its weights from ``DIR/*.safetensors`` (loaded after parallelize +
 ``to_empty``, in place of ``init_weights``; a resumed run takes them from its
 own checkpoint instead). The tokenizer is ``DIR/tokenizer.json``
 unless ``data.tokenizer`` is given. The [model] keys that then have no effect
-are checked like every such key (``config_checks.EFFECT_RULES``): an error when
+are checked like every such key (``config_effects.EFFECT_RULES``): an error when
 the user set them in the same or a later source than ``hf_path``.
 """
 
