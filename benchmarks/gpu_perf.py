@@ -92,6 +92,20 @@ def device_of(args):
     return torch.device("cpu") if tiny_mode(args) else torch.device("cuda", 0)
 
 
+def simulated_rank_device(args):
+    """The device of the shapes' one simulated rank, made current; on the CPU one thread, and
+    denormals flushed (the skipped collectives leave unspecified values behind)."""
+    import torch
+
+    device = device_of(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(True)
+    return device
+
+
 def dump(path: Path, obj) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
@@ -227,14 +241,9 @@ def piece_shape(args) -> int:
 
     deadline = time.monotonic() + args.deadline_s
     shape = shapes(args)[args.shape]
-    device = device_of(args)
+    device = simulated_rank_device(args)
     out = args.out / f"shape_{args.shape}.jsonl"
     env = load_env(args)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)
-        torch.set_flush_denormal(True)
     runs_here = env.get("runs_here") or ["auto"]
     auto_is = env.get("auto")
     # auto first (with the layer fit), then save_attention, then every other kernel that runs here.
@@ -294,12 +303,7 @@ def piece_profile(args) -> int:
     from ulysses_dtensor.trainer.step import train_step
 
     shape = shapes(args)[args.shape]
-    device = device_of(args)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)
-        torch.set_flush_denormal(True)
+    device = simulated_rank_device(args)
     layers = args.layers or PROFILE_LAYERS
     a = B.parse_args(_bench_argv(shape, device, "auto", [layers], save_attention=False))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)

@@ -299,7 +299,7 @@ EFFECT_OFF = {
 
 
 def test_every_effect_rule_is_tested():
-    from ulysses_dtensor.trainer.config_checks import EFFECT_RULES
+    from ulysses_dtensor.trainer.config_effects import EFFECT_RULES
 
     assert {r.key for r in EFFECT_RULES} == set(EFFECT_CASES)
 

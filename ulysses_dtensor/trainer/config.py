@@ -5,7 +5,7 @@ A TOML file sets any subset of the keys of :mod:`.config_schema`;
 overrides it, parsed to the key's type (bools: true/false; lists: comma
 separated; the context schedule: ``start:seq_len,start:seq_len``). The config
 remembers which source set each key, so that a setting that cannot take effect
-is reported rather than ignored (:mod:`.config_checks`).
+is reported rather than ignored (:mod:`.config_effects`).
 
 Validation happens in two layers, both before any process group, folder or
 model exists:
@@ -28,7 +28,8 @@ from pathlib import Path
 
 from ..data import TOKENIZERS_EXTRA_MSG, SourceSpec
 from ..runtime.suggest import did_you_mean
-from .config_checks import check_values, inactive_settings, model_args, validate_config
+from .config_checks import check_values, model_args, validate_config
+from .config_effects import inactive_settings
 from .config_schema import (
     _FIELD_TYPES,
     _FIELDS,

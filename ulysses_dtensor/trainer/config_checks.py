@@ -18,13 +18,12 @@ from ..data import (
     is_store,
 )
 from ..runtime.suggest import did_you_mean
-from .config_effects import EFFECT_RULES, EffectRule, check_effect, inactive_settings
+from .config_effects import EFFECT_RULES, EffectRule, check_effect
 from .config_schema import ConfigError, JobConfig
 from .data_config import check_data_values, data_path_problem
 from .hf_start import hf_model_args, tokenizer_spec
 
-__all__ = ["check_values", "validate_config", "model_args", "inactive_settings", "EFFECT_RULES",
-           "check_eval_data"]
+__all__ = ["check_values", "validate_config", "model_args", "check_eval_data"]
 
 
 # --------------------------------------------------------------------------- #
