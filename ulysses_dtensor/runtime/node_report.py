@@ -1,10 +1,10 @@
 """One message per node for an error the ranks stop on, whichever rank exits first.
 
 Under torchrun the agent stops every other worker with SIGTERM as soon as one
-exits (it looks every 0.1 s). A message that one chosen rank prints (local rank
-0) is lost whenever another rank exits first: 3 launches of 4 lost the config
-error that way (issue 47). So the first rank of a node to reach its error
-reports it:
+exits (it checks every 0.1 s, ``--monitor-interval``). A message that one chosen
+rank prints (local rank 0) is lost whenever another rank exits first: 3 launches
+of 4 lost the config error that way (issue 47). So the first rank of a node to
+reach its error reports it:
 
 * it claims the report by creating a file exclusively (``O_CREAT | O_EXCL``,
   atomic between the processes of one machine); a rank that finds the claim
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from .restarts import max_restarts, restart_attempt, shown_in_earlier_attempt
 
-__all__ = ["ORDER_ENV", "message_for_this_attempt", "report_once_per_node"]
+__all__ = ["CLAIM_FILE", "ORDER_ENV", "message_for_this_attempt", "report_once_per_node"]
 
 CLAIM_FILE = "ulysses_dtensor_report.claim"
 
