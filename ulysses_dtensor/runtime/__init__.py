@@ -1,2 +1,3 @@
 """Processes: process-group lifetime, restarts under torchrun, peers that died
-or hang, and "did you mean" for a mistyped name in an error message."""
+or hang, an error's message once per node whichever rank exits first, and "did you
+mean" for a mistyped name in an error message."""

@@ -20,7 +20,7 @@ What each module owns, in the order a model meets them:
 * :mod:`.causal_lm`, :mod:`.output_head`: the trainer's call interface and the tiled head;
 * :mod:`.weights`, :mod:`.checkpoint_io`: HF directories in and out, shard by shard;
 * ``ulysses_trainer/``: ``UlyssesTrainer`` / ``UlyssesTrainerMixin`` and ``UlyssesArguments``:
-  transformers' ``Trainer`` under all of the above;
+  transformers' ``Trainer`` under all of the above (``UlyssesTrainerError``: what it refuses);
 * ``mixers/``: token mixers besides attention (gated delta-net, Mamba, short convolution);
 * ``matrix/``: the family matrix (tiny model per family, the parity check, the recorded
   results for the installed transformers).
@@ -44,6 +44,7 @@ _EXPORTS = {
     "adapt_causal_lm": "causal_lm",
     "UlyssesArguments": "ulysses_trainer.arguments",
     "UlyssesTrainer": "ulysses_trainer.mixin",
+    "UlyssesTrainerError": "ulysses_trainer.refusals",
     "UlyssesTrainerMixin": "ulysses_trainer.mixin",
 }
 

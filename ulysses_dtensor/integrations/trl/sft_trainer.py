@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ulysses_dtensor.parallel.loss import global_loss
 
+from ..hf.ulysses_trainer.refusals import UlyssesTrainerError
 from ..hf.ulysses_trainer.mixin import UlyssesTrainerMixin
 
 try:
@@ -56,11 +57,12 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         super().check_arguments()
         args = self.args
         if getattr(args, "loss_type", "nll") != "nll":
-            raise ValueError(f"{type(args).__name__}.loss_type={args.loss_type!r} is not supported by "
-                             "UlyssesSFTTrainer: the loss is the sp-sharded token-mean cross entropy ('nll')")
+            raise UlyssesTrainerError(f"{type(args).__name__}.loss_type={args.loss_type!r} is not supported by "
+                                      "UlyssesSFTTrainer: the loss is the sp-sharded token-mean cross entropy ('nll')")
         if getattr(self, "_is_vision_dataset", False):
-            raise ValueError("a vision dataset is not supported by UlyssesSFTTrainer: the model's text path runs "
-                             "on a slice of the sequence, and images would have to be split with it")
+            raise UlyssesTrainerError(
+                "a vision dataset is not supported by UlyssesSFTTrainer: the model's text path runs "
+                "on a slice of the sequence, and images would have to be split with it")
 
     def record_batch(self, batch, inputs, lm) -> None:
         mode = "train" if lm.training else "eval"

@@ -6,6 +6,8 @@ switches, configured by ``UlyssesArguments`` (the ``trl`` extra adds TRL's SFTTr
 * :mod:`.accelerator`: the Trainer's accelerator over data-parallel ranks (data, gathering);
 * :mod:`.batches`: a collated batch -> the sp slice's inputs, and predictions back whole;
 * :mod:`.checkpoints`: ``save_model`` / checkpoints / resuming, shard by shard;
+* :mod:`.refusals`: ``UlyssesTrainerError``, what the trainer refuses: one line per node when
+  the script does not catch it;
 * :mod:`.mixin`: ``UlyssesTrainerMixin`` (the change itself) and ``UlyssesTrainer``.
 
 Names load lazily: ``UlyssesArguments`` alone does not import transformers' Trainer.
@@ -13,7 +15,8 @@ Names load lazily: ``UlyssesArguments`` alone does not import transformers' Trai
 
 from importlib import import_module
 
-_EXPORTS = {"UlyssesArguments": "arguments", "UlyssesTrainer": "mixin", "UlyssesTrainerMixin": "mixin"}
+_EXPORTS = {"UlyssesArguments": "arguments", "UlyssesTrainer": "mixin", "UlyssesTrainerError": "refusals",
+            "UlyssesTrainerMixin": "mixin"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -30,6 +30,8 @@ import torch
 
 from ulysses_dtensor.attention.select import BACKENDS
 
+from .refusals import UlyssesTrainerError
+
 __all__ = ["UlyssesArguments", "check_training_arguments", "parallelize_options", "OPTIMIZERS"]
 
 # TrainingArguments.optim values whose update is elementwise per parameter: they run on
@@ -76,19 +78,22 @@ class UlyssesArguments:
         for name in ("sp_size", "ring_size", "dp_replicate_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"UlyssesArguments.{name}={value!r} must be an integer >= 1")
+                raise UlyssesTrainerError(f"UlyssesArguments.{name}={value!r} must be an integer >= 1")
         if isinstance(self.dp_shard_size, bool) or not isinstance(self.dp_shard_size, int) or (
                 self.dp_shard_size < 1 and self.dp_shard_size != -1):
-            raise ValueError(f"UlyssesArguments.dp_shard_size={self.dp_shard_size!r} must be an integer >= 1, or -1 "
-                             "for what the world size leaves")
+            raise UlyssesTrainerError(
+                f"UlyssesArguments.dp_shard_size={self.dp_shard_size!r} must be an integer >= 1, or -1 "
+                "for what the world size leaves")
         if self.sp_size % self.ring_size:
-            raise ValueError(f"UlyssesArguments.ring_size={self.ring_size} must divide sp_size={self.sp_size} "
-                             "(sp = ring x ulysses)")
+            raise UlyssesTrainerError(f"UlyssesArguments.ring_size={self.ring_size} must divide sp_size={self.sp_size} "
+                                      "(sp = ring x ulysses)")
         if self.attn_backend not in BACKENDS:
-            raise ValueError(f"UlyssesArguments.attn_backend={self.attn_backend!r}; valid: {', '.join(BACKENDS)}")
+            raise UlyssesTrainerError(
+                f"UlyssesArguments.attn_backend={self.attn_backend!r}; valid: {', '.join(BACKENDS)}")
         if self.loss_chunks is not None and (isinstance(self.loss_chunks, bool) or self.loss_chunks < 0):
-            raise ValueError(f"UlyssesArguments.loss_chunks={self.loss_chunks!r} must be >= 1, or 0 / None for a "
-                             "count from the shapes")
+            raise UlyssesTrainerError(
+                f"UlyssesArguments.loss_chunks={self.loss_chunks!r} must be >= 1, or 0 / None for a "
+                "count from the shapes")
 
 
 def _refusal(args, name: str, value: Any, why: str) -> str:
@@ -156,7 +161,7 @@ def check_training_arguments(args) -> None:
                          "process per GPU with torchrun or accelerate launch"))
     for name, value, bad, why in problems:
         if bad:
-            raise ValueError(_refusal(args, name, value, why))
+            raise UlyssesTrainerError(_refusal(args, name, value, why))
 
 
 def parallelize_options(args, ulysses: UlyssesArguments, *, mixed_precision: str | None = None,

@@ -33,6 +33,8 @@ from ulysses_dtensor.parallel.batch import shard_batch
 from ulysses_dtensor.parallel.loss import IGNORE_INDEX
 from ulysses_dtensor.parallel.ring_layout import layout_indices
 
+from .refusals import UlyssesTrainerError
+
 __all__ = ["FLATTENING_KEYS", "ROW_LENGTHS", "check_same_batch", "count_targets", "gather_sequence", "sp_batch"]
 
 FLATTENING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -46,14 +48,14 @@ def sp_batch(inputs: Mapping, *, need_labels: bool) -> dict[str, Tensor]:
     real tokens), or ValueError naming the key that cannot run under SP."""
     unknown = [k for k in inputs if k not in _MODEL_KEYS + FLATTENING_KEYS]
     if unknown:
-        raise ValueError(
+        raise UlyssesTrainerError(
             f"batch key {unknown[0]!r} is not supported by UlyssesTrainer: the model runs its text path on a slice "
             f"of the sequence, from {', '.join(_MODEL_KEYS)} (plus a flattening collator's "
             f"{', '.join(FLATTENING_KEYS)}); drop it from the dataset or the collator")
     ids = inputs.get("input_ids")
     if not isinstance(ids, Tensor) or ids.dim() != 2:
-        raise ValueError(f"batch input_ids must be a (batch, seq) tensor, got "
-                         f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}")
+        raise UlyssesTrainerError(f"batch input_ids must be a (batch, seq) tensor, got "
+                                  f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}")
     labels = inputs.get("labels")
     if inputs.get("shift_labels") is not None:  # transformers' loss scores these as they are
         shifted = inputs["shift_labels"]
@@ -61,28 +63,33 @@ def sp_batch(inputs: Mapping, *, need_labels: bool) -> dict[str, Tensor]:
         labels[:, 1:] = shifted[:, :-1]
     positions = inputs.get("position_ids")
     if positions is None and any(k in inputs for k in FLATTENING_KEYS):
-        raise ValueError("batch has flattened-sequence keys (cu_seq_lens_q, seq_idx, ...) but no position_ids: "
-                         "the documents would be unknown; return position_ids from the collator")
+        raise UlyssesTrainerError(
+            "batch has flattened-sequence keys (cu_seq_lens_q, seq_idx, ...) but no position_ids: "
+            "the documents would be unknown; return position_ids from the collator")
     for name, t in (("labels", labels), ("position_ids", positions)):
         if t is not None and tuple(t.shape) != tuple(ids.shape):
-            raise ValueError(f"batch {name} has shape {tuple(t.shape)}, input_ids {tuple(ids.shape)}: they must match")
+            raise UlyssesTrainerError(
+                f"batch {name} has shape {tuple(t.shape)}, input_ids {tuple(ids.shape)}: they must match")
     mask = inputs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         if tuple(mask.shape) != tuple(ids.shape):
-            raise ValueError(f"batch attention_mask of shape {tuple(mask.shape)} (a custom mask) is not supported "
-                             "under SP: its meaning would have to travel with each rank's slice; pack documents "
-                             "with position_ids instead")
+            raise UlyssesTrainerError(
+                f"batch attention_mask of shape {tuple(mask.shape)} (a custom mask) is not supported "
+                "under SP: its meaning would have to travel with each rank's slice; pack documents "
+                "with position_ids instead")
         real = mask.bool()
         if not bool((real == real.long().cumprod(dim=1).bool()).all()):
-            raise ValueError("batch attention_mask has padding on the left or inside rows: under SP only right "
-                             "padding (real tokens first) runs; set the tokenizer's padding_side='right' or use a "
-                             "padding-free collator (DataCollatorWithFlattening, TRL's padding_free=True)")
+            raise UlyssesTrainerError(
+                "batch attention_mask has padding on the left or inside rows: under SP only right "
+                "padding (real tokens first) runs; set the tokenizer's padding_side='right' or use a "
+                "padding-free collator (DataCollatorWithFlattening, TRL's padding_free=True)")
         if labels is not None:
             labels = labels.masked_fill(~real, IGNORE_INDEX)
         lengths = real.sum(dim=1)
     if need_labels and labels is None:
-        raise ValueError("the training batch has no labels: give the collator labels (-100 where no target), as "
-                         "DataCollatorForLanguageModeling(mlm=False) and TRL's collators do")
+        raise UlyssesTrainerError(
+            "the training batch has no labels: give the collator labels (-100 where no target), as "
+            "DataCollatorForLanguageModeling(mlm=False) and TRL's collators do")
     batch = {"input_ids": ids}
     if labels is not None:
         batch["labels"] = labels
@@ -115,7 +122,7 @@ def check_same_batch(batch: Mapping[str, Tensor], group, size: int) -> None:
     dist.all_gather(seen, mine, group=group)
     differ = [r for r, s in enumerate(seen) if not torch.equal(s, seen[0])]
     if differ:
-        raise ValueError(
+        raise UlyssesTrainerError(
             f"the sp ranks of one group received different batches (sp rank {differ[0]} differs from sp rank 0): "
             "every sp rank must read the same samples and split the sequence. The dataset or the collator differs "
             "per process (split by rank itself, or random per process); let the trainer shard the data")

@@ -20,6 +20,7 @@ Resuming reads the full model back with :func:`~ulysses_dtensor.integrations.hf.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -27,6 +28,7 @@ import re
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,7 +37,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ulysses_dtensor.models.llama_checkpoint import HFCheckpointError
+
 from ..checkpoint_io import load_hf_weights, save_hf_weights
+from .refusals import UlyssesTrainerError
 
 __all__ = ["STATE_DIR", "save_peft_adapter", "load_model", "load_optimizer", "save_full_model",
            "save_training_state", "has_training_state"]
@@ -99,18 +104,32 @@ def has_training_state(checkpoint: str) -> bool:
     return os.path.isfile(os.path.join(checkpoint, STATE_DIR, ".metadata"))
 
 
+@contextlib.contextmanager
+def _resuming(checkpoint: str):
+    """A checkpoint that cannot be read back: UlyssesTrainerError naming it and the first cause
+    (DCP's exception holds every rank's failure with its traceback)."""
+    try:
+        yield
+    except (HFCheckpointError, CheckpointException) as e:
+        cause = e.failures[min(e.failures)][0] if isinstance(e, CheckpointException) and e.failures else e
+        first_line = (str(cause).strip().splitlines() or [""])[0][:300]
+        raise UlyssesTrainerError(f"{checkpoint} cannot be resumed: {type(cause).__name__}: {first_line}") from e
+
+
 def load_model(model: nn.Module, base: nn.Module, checkpoint: str, *, peft: bool) -> None:
     """The weights of ``checkpoint`` into the sharded model: a peft model's trained parameters
     from ``ulysses_state``, a full model (``base``, the transformers model) from its
     safetensors, each rank reading its shards; collective."""
     if not peft:
-        load_hf_weights(base, checkpoint)
+        with _resuming(checkpoint):
+            load_hf_weights(base, checkpoint)
         return
     if not has_training_state(checkpoint):
-        raise ValueError(f"{checkpoint} has no {STATE_DIR}/ (a checkpoint of UlyssesTrainer holds the trained "
-                         "adapter there): it cannot be resumed")
+        raise UlyssesTrainerError(f"{checkpoint} has no {STATE_DIR}/ (a checkpoint of UlyssesTrainer holds the "
+                                  "trained adapter there): it cannot be resumed")
     state = {"model": get_model_state_dict(model, options=_TRAINED)}
-    dcp.load(state, checkpoint_id=os.path.join(checkpoint, STATE_DIR))
+    with _resuming(checkpoint):
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint, STATE_DIR))
     set_model_state_dict(model, state["model"], options=_TRAINED)
 
 
@@ -118,5 +137,6 @@ def load_optimizer(model: nn.Module, optimizer, checkpoint: str) -> None:
     """The optimizer's shards from ``checkpoint/ulysses_state``, on whatever mesh this run has."""
     torch_opt = _torch_optimizer(optimizer)
     state = {"optimizer": get_optimizer_state_dict(model, torch_opt)}
-    dcp.load(state, checkpoint_id=os.path.join(checkpoint, STATE_DIR))
+    with _resuming(checkpoint):
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint, STATE_DIR))
     set_optimizer_state_dict(model, torch_opt, state["optimizer"])

@@ -59,6 +59,7 @@ from .checkpoints import (
     save_peft_adapter,
     save_training_state,
 )
+from .refusals import UlyssesTrainerError
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin"]
 
@@ -90,8 +91,9 @@ def _check_same_weights(model: nn.Module, device: torch.device) -> None:
     params = list(model.named_parameters())
     meta = [n for n, p in params if p.is_meta]
     if meta:
-        raise ValueError(f"the model's parameters are on the meta device ({meta[0]}, ...): UlyssesTrainer trains "
-                         "the weights the model holds; load them (from_pretrained) before building the trainer")
+        raise UlyssesTrainerError(
+            f"the model's parameters are on the meta device ({meta[0]}, ...): UlyssesTrainer trains "
+            "the weights the model holds; load them (from_pretrained) before building the trainer")
     if dist.get_world_size() == 1:
         return
     sums = torch.stack([p.detach().view(_BITS[p.element_size()]).sum(dtype=torch.int64) for _, p in params])
@@ -100,7 +102,7 @@ def _check_same_weights(model: nn.Module, device: torch.device) -> None:
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     differ = (low != high).nonzero()
     if differ.numel():
-        raise ValueError(
+        raise UlyssesTrainerError(
             f"the model's weights differ between ranks (first: {params[int(differ[0])][0]}): every rank must build "
             "the same model -- from_pretrained, or set_seed(...) before from_config and get_peft_model")
 
@@ -110,13 +112,15 @@ def _accelerator_settings(trainer) -> tuple[str, str | None]:
     launch`` configuration can set them), or ValueError for one this trainer cannot honour."""
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         engine = "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP"
-        raise ValueError(f"the accelerate configuration enables {engine} (accelerate launch --config_file / "
-                         "ACCELERATE_USE_* variables): UlyssesTrainer shards the model with FSDP2 itself; launch "
-                         "with a plain multi-process configuration")
+        raise UlyssesTrainerError(
+            f"the accelerate configuration enables {engine} (accelerate launch --config_file / "
+            "ACCELERATE_USE_* variables): UlyssesTrainer shards the model with FSDP2 itself; launch "
+            "with a plain multi-process configuration")
     precision = str(getattr(trainer.accelerator, "mixed_precision", "no"))
     if precision not in ("no", "bf16"):
-        raise ValueError(f"the accelerate configuration sets mixed_precision={precision!r}: UlyssesTrainer runs "
-                         "float32 or bf16 (FSDP2 mixed precision with float32 master weights); use bf16")
+        raise UlyssesTrainerError(
+            f"the accelerate configuration sets mixed_precision={precision!r}: UlyssesTrainer runs "
+            "float32 or bf16 (FSDP2 mixed precision with float32 master weights); use bf16")
     dynamo = trainer.accelerator.state.dynamo_plugin
     return precision, None if dynamo is None else str(getattr(dynamo.backend, "value", dynamo.backend)).lower()
 
@@ -128,9 +132,10 @@ def _build_mesh(ua: UlyssesArguments, device: torch.device):
         dims = ParallelDims(dp_replicate=ua.dp_replicate_size, dp_shard=ua.dp_shard_size, sp=ua.sp_size,
                             ring=ua.ring_size, world_size=world)
     except ValueError as e:
-        raise ValueError(f"UlyssesArguments(dp_replicate_size={ua.dp_replicate_size}, dp_shard_size="
-                         f"{ua.dp_shard_size}, sp_size={ua.sp_size}, ring_size={ua.ring_size}) on {world} processes: "
-                         f"{e}") from None
+        raise UlyssesTrainerError(
+            f"UlyssesArguments(dp_replicate_size={ua.dp_replicate_size}, dp_shard_size="
+            f"{ua.dp_shard_size}, sp_size={ua.sp_size}, ring_size={ua.ring_size}) on {world} processes: "
+            f"{e}") from None
     return dims.build_mesh(device.type)
 
 
@@ -141,11 +146,12 @@ def _transformers_model(model: nn.Module) -> nn.Module:
         raise TypeError(f"UlyssesTrainer trains a transformers PreTrainedModel (or a peft model of one), got "
                         f"{type(inner).__name__}")
     if getattr(inner, "hf_device_map", None) is not None:
-        raise ValueError("the model was loaded with a device_map (split across devices): load it with "
-                         "device_map=None; FSDP2 places each rank's shards on its device")
+        raise UlyssesTrainerError("the model was loaded with a device_map (split across devices): load it with "
+                                  "device_map=None; FSDP2 places each rank's shards on its device")
     if getattr(inner, "quantization_method", None) is not None:
-        raise ValueError(f"a quantized model ({inner.quantization_method}) is not supported by UlyssesTrainer: "
-                         "FSDP2 shards floating-point parameters")
+        raise UlyssesTrainerError(
+            f"a quantized model ({inner.quantization_method}) is not supported by UlyssesTrainer: "
+            "FSDP2 shards floating-point parameters")
     return inner
 
 
@@ -178,8 +184,8 @@ class UlyssesTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         self.check_arguments()
         if self.model is None:
-            raise ValueError("UlyssesTrainer needs model=: model_init= would build the model inside train(), "
-                             "after the model must already be sharded")
+            raise UlyssesTrainerError("UlyssesTrainer needs model=: model_init= would build the model inside train(), "
+                                      "after the model must already be sharded")
         super().create_accelerator_and_postprocess()
         precision, backend = _accelerator_settings(self)
         options = parallelize_options(self.args, self.ulysses_args, mixed_precision=precision,
@@ -196,12 +202,14 @@ class UlyssesTrainerMixin:
 
     def _check_trainer_objects(self) -> None:
         if self.compute_loss_func is not None:
-            raise ValueError("compute_loss_func= is not supported by UlyssesTrainer: it would see one rank's slice of "
-                             "the logits; the loss is the sp-sharded token mean")
+            raise UlyssesTrainerError(
+                "compute_loss_func= is not supported by UlyssesTrainer: it would see one rank's slice of "
+                "the logits; the loss is the sp-sharded token mean")
         if self.optimizer is not None or self.lr_scheduler is not None:
-            raise ValueError("optimizers=(optimizer, scheduler) is not supported by UlyssesTrainer: the optimizer "
-                             "must hold the sharded parameters, which exist only once the trainer parallelized the "
-                             "model; pass optimizer_cls_and_kwargs=(cls, kwargs) instead")
+            raise UlyssesTrainerError(
+                "optimizers=(optimizer, scheduler) is not supported by UlyssesTrainer: the optimizer "
+                "must hold the sharded parameters, which exist only once the trainer parallelized the "
+                "model; pass optimizer_cls_and_kwargs=(cls, kwargs) instead")
 
     def _move_model_to_device(self, model, device):
         """FSDP2 put the shards on the mesh's device (or in host memory with offload_params)."""

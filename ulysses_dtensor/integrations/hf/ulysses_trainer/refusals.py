@@ -1,0 +1,49 @@
+"""``UlyssesTrainerError``: what UlyssesTrainer cannot run with, said once per node.
+
+Its refusals of arguments, a model whose weights differ between ranks, a batch
+it cannot split, a checkpoint it cannot resume from: each is a
+:class:`UlyssesTrainerError` (a ``ValueError``) whose message names the value
+and what would run. The script that meets one is the user's, with its own
+``main``; uncaught, Python would print a traceback on every rank (a wall of
+them under ``torchrun --nproc_per_node=8``), and torchrun stops the slower ranks
+before theirs is written. So the first such error a process creates installs a
+``sys.excepthook``: when the error ends the script, the first rank of the node
+prints ``UlyssesTrainer error: <message>`` and the others nothing
+(:func:`~ulysses_dtensor.runtime.node_report.report_once_per_node`); the exit
+status stays Python's 1. Any other exception goes to the hook that was there
+before; an error the script catches is the script's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ulysses_dtensor.runtime.node_report import report_once_per_node
+
+__all__ = ["UlyssesTrainerError"]
+
+KIND = "UlyssesTrainer error"
+
+
+class UlyssesTrainerError(ValueError):
+    """A setting, model, batch or checkpoint UlyssesTrainer cannot run with (see the module doc)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        _install_report_hook()
+
+
+_previous_hook = None
+
+
+def _install_report_hook() -> None:
+    global _previous_hook
+    if _previous_hook is None:
+        _previous_hook, sys.excepthook = sys.excepthook, _report_hook
+
+
+def _report_hook(exc_type, exc, tb) -> None:
+    if isinstance(exc, UlyssesTrainerError):
+        report_once_per_node(KIND, exc)
+    else:
+        _previous_hook(exc_type, exc, tb)
