@@ -18,6 +18,7 @@ from ..data import DataError
 from .checkpoint import CheckpointError
 from .config_schema import ConfigError
 from ..runtime.lost_peer import PeerLostError
+from ..runtime.nonfinite import NonFiniteError
 from ..runtime.restarts import max_restarts, restart_attempt, shown_in_earlier_attempt
 
 
@@ -40,6 +41,11 @@ def exit_on_known_error():
         # Every rank learnt every rank's verdict: one message.
         _report("checkpoint error", e, show=first_rank)
         raise SystemExit(2) from None
+    except NonFiniteError as e:
+        # Every rank stopped at the same step with the same message: one message, status 3
+        # (the run diverged; a restart from the named checkpoint needs a changed config).
+        _report("", e, show=first_rank)
+        raise SystemExit(3) from None
     except PeerLostError as e:
         # Each rank names its own step and collective: the survivors' lines say where it stopped.
         _report("", e, show=True)
