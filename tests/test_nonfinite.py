@@ -107,9 +107,10 @@ def test_the_guard_stops_after_max_steps_in_a_row_with_one_message():
     message = str(guard.error("Last good checkpoint: /x/step-6 (step 6)."))
     assert message.startswith("training stopped at step 9: 3 steps in a row with a non-finite loss or gradient norm "
                               "(steps 7-9; training.max_nonfinite_steps=2 skips 2 in a row and stops at the next); "
-                              "no update of those steps was applied. It started at step 7: loss not finite on rank 1; "
-                              "gradient norm nan, non-finite gradients on ranks 0, 1 (rank 0: a; rank 1: a, b, c and "
-                              "2 more). Step 9: gradient norm nan, non-finite gradients on rank 2 (w). "), message
+                              "no update of those steps was applied. It started at step 7: loss not finite on rank 1. "
+                              "Step 9: gradient norm nan, non-finite gradients on rank 2 (w). "), message
+    assert _verdict(7, grads={0: ["a"], 1: ["a", "b", "c", "d", "e"]}).cause() == (
+        "gradient norm nan, non-finite gradients on ranks 0, 1 (rank 0: a; rank 1: a, b, c and 2 more)")
     assert message.endswith("Last good checkpoint: /x/step-6 (step 6).")
     assert "\n" not in message
     stop_at_once = NonFiniteGuard(0, "UlyssesArguments.max_nonfinite_steps")

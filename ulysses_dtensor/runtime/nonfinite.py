@@ -91,14 +91,15 @@ class NonFiniteStep:
     weights: dict[int, list[str]] = field(default_factory=dict)  # rank -> parameters with non-finite weights
 
     def cause(self) -> str:
-        """Where it showed: the loss (on which ranks), else the gradient norm and the
-        parameters whose gradients hold non-finite values; and the weights when they do."""
+        """Where it showed: the loss (on which ranks; the gradients follow from it), else the
+        gradient norm and the parameters whose gradients hold non-finite values, on which
+        ranks; and the weights when they are not finite."""
         parts = []
         if self.loss_ranks:
             parts.append(f"loss not finite on {_ranks(self.loss_ranks, self.world)}")
-        if self.grads:
+        elif self.grads:
             parts.append(f"gradient norm {self.grad_norm:g}, non-finite gradients on {self._where(self.grads)}")
-        elif not self.loss_ranks:
+        else:
             parts.append(f"gradient norm {self.grad_norm:g}")
         if self.weights:
             parts.append(f"weights not finite on {self._where(self.weights)}: an earlier update made them so")
