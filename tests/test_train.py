@@ -6,7 +6,9 @@ The reference is the README's own main command, ``bash scripts/run_train.sh``
 other meshes, and resumed from its step-3 checkpoint, must give the same
 per-step losses. Those runs call the trainer in-process: on the live gloo ranks
 of tests/distributed.py, or in this process for a world of one (what
-``python -m ulysses_dtensor.train`` does).
+``python -m ulysses_dtensor.train`` does). The same job with NaN / inf injected
+on one rank skips the step on every rank, stops after too many in a row, and
+resumes from its last good checkpoint to the reference's losses.
 """
 
 import json
@@ -79,6 +81,8 @@ def reference(tmp_path_factory):
     """The README main command (scripts/run_train.sh) on 4 CPU ranks."""
     dump = tmp_path_factory.mktemp("ref")
     env = {**os.environ, "PYTHON": sys.executable, "NPROC": "2", "OMP_NUM_THREADS": "1"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "ULYSSES_DTENSOR_ALLOC_DEFAULT"):
+        env.pop(name, None)  # unset: run_train.sh applies the allocator default
     cmd = ["bash", str(REPO / "scripts" / "run_train.sh"),
            *_args(dump, "--parallelism.dp_shard", "1", "--parallelism.sp", "2")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -89,6 +93,10 @@ def reference(tmp_path_factory):
 def test_end_to_end_2_ranks(reference):
     dump, proc = reference
     assert "run_train.sh: 2 ranks (CPU, gloo)" in proc.stderr
+    # The banner's memory switches, and the allocator default run_train.sh applied.
+    assert ("  memory: tiled_mlp off, tiled_loss off, offload_activations off, offload_params off, save_attention off; "
+            "allocator: expandable_segments:True (this package's default; set PYTORCH_CUDA_ALLOC_CONF to choose "
+            "another), for CUDA only: not in effect on cpu\n") in proc.stdout
     rows = _rows(dump)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["seq_len"] for r in rows] == [SCHEDULE[s] for s in range(1, STEPS + 1)]
