@@ -446,6 +446,8 @@ def _run_injected(rank: int, world: int, script: str, runs: list[tuple[list[str]
     set; the NonFiniteError's message, or None when the run finished."""
     from ulysses_dtensor.runtime.nonfinite import NONFINITE_FAULT_ENV, NonFiniteError
 
+    allocator = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "ULYSSES_DTENSOR_ALLOC_DEFAULT")
+    saved = {k: os.environ.pop(k, None) for k in allocator}  # unset: the trainer sets its default
     out = []
     for argv, faults in runs:
         os.environ[NONFINITE_FAULT_ENV] = faults
@@ -457,6 +459,11 @@ def _run_injected(rank: int, world: int, script: str, runs: list[tuple[list[str]
             out.append(str(e))
         finally:
             del os.environ[NONFINITE_FAULT_ENV]
+    out.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    for key, value in saved.items():
+        os.environ.pop(key, None)
+        if value is not None:
+            os.environ[key] = value
     return out
 
 
@@ -465,7 +472,8 @@ def test_nonfinite_steps_are_skipped_and_stop_the_trainer(model_dirs, tmp_path):
     step 3 (one skip allowed): step 3 is skipped on both ranks -- no checkpoint-3, and the model
     saved after train() is checkpoint-2's, bit for bit. A NaN loss on rank 0 at step 2 with
     max_nonfinite_steps 0: train() raises on both ranks with one message naming step 2, rank 0's
-    loss and checkpoint-1, and writes no checkpoint-2."""
+    loss and checkpoint-1, and writes no checkpoint-2. PYTORCH_CUDA_ALLOC_CONF unset, the trainer
+    set its default."""
     from safetensors.torch import load_file
 
     skip = tmp_path / "skip"
@@ -475,7 +483,8 @@ def test_nonfinite_steps_are_skipped_and_stop_the_trainer(model_dirs, tmp_path):
             (_common(stop, model_dirs["llama"], GLOBAL_ROWS, *every_step, "--max_nonfinite_steps", "0"), "loss:0:2")]
     results = run_ranks(2, _run_injected, str(TRAINER_SCRIPT), runs)
     assert results[0] == results[1]
-    finished, stopped = results[0]
+    finished, stopped, allocator = results[0]
+    assert allocator == "expandable_segments:True"  # unset before: UlyssesTrainer's default
     assert finished is None
     assert sorted(p.name for p in skip.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     saved, step2 = (load_file(d / "model-00001-of-00001.safetensors") for d in (skip, skip / "checkpoint-2"))

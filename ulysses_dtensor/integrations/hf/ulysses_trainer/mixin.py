@@ -49,7 +49,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME, Trainer
 from ulysses_dtensor.parallel.loss import count_valid_tokens, global_loss
 from ulysses_dtensor.parallel.mesh import ParallelDims
 from ulysses_dtensor.runtime.allocator import allocator_banner, apply_allocator_default
-from ulysses_dtensor.runtime.nonfinite import inject_nonfinite_loss
+from ulysses_dtensor.runtime.nonfinite import check_finite_state, inject_nonfinite_loss
 
 from ..attention_function import DOCUMENT_IDS_KWARG
 from ..causal_lm import adapt_causal_lm
@@ -313,6 +313,7 @@ class UlyssesTrainerMixin(NonFiniteSteps):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A ``from_pretrained`` directory (a peft adapter for a peft model); every rank calls it."""
         output_dir = self.args.output_dir if output_dir is None else output_dir
+        check_finite_state(self.model, None, what=f"the model in {output_dir}")  # never NaN / inf weights
         if _is_peft(self.model):
             save_peft_adapter(self.model, output_dir)
         else:

@@ -13,7 +13,7 @@ The Trainer's seams, between the last backward and ``optimizer.step()``:
   changes no parameter and no optimizer state (torch's optimizers skip parameters
   without a gradient); the learning-rate schedule moves on, as the step count does;
 * ``_save_checkpoint``: not at a skipped step, and never from weights or optimizer state
-  that are not finite.
+  that are not finite (``save_model`` checks the weights too).
 
 After too many in a row, ``train()`` raises :class:`~ulysses_dtensor.runtime.nonfinite.NonFiniteError`
 on every rank, naming the step, the ranks and the last checkpoint.
