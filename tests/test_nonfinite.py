@@ -25,7 +25,6 @@ from ulysses_dtensor.runtime.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,
     NonFiniteStep,
-    check_finite_state,
 )
 from ulysses_dtensor.trainer.config import ConfigError, parse_config
 
@@ -119,7 +118,8 @@ def test_the_guard_stops_after_max_steps_in_a_row_with_one_message():
     assert ("(step 3; UlyssesArguments.max_nonfinite_steps=0 stops at the first); no update of that step was applied. "
             "Step 3: gradient norm inf; weights not finite on every rank (rank 0: w; rank 1: w): an earlier update "
             "made them so.") in str(stop_at_once.error(""))
-    assert _verdict(1, loss_ranks=[0, 1, 2, 3]).row() == {"skipped": True, "skip_reason": "loss not finite on every rank"}
+    assert _verdict(1, loss_ranks=[0, 1, 2, 3]).row() == {"skipped": True,
+                                                          "skip_reason": "loss not finite on every rank"}
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match=r"training.max_nonfinite_steps=.* must be an integer >= 0"):
             NonFiniteGuard(bad, "training.max_nonfinite_steps")
@@ -205,7 +205,8 @@ def test_the_banner_lists_every_memory_switch():
                 mp.setenv(key, value)
             return memory_banner(cfg, shape, cfg.context_schedule(), dims, "cuda", transformers=transformers)
 
-    alloc = "; allocator: expandable_segments:True (this package's default; set PYTORCH_CUDA_ALLOC_CONF to choose another)"
+    alloc = ("; allocator: expandable_segments:True (this package's default; set PYTORCH_CUDA_ALLOC_CONF to "
+             "choose another)")
     assert banner({}) == ("memory: tiled_mlp off, tiled_loss off, offload_activations off, offload_params off, "
                           "save_attention off" + alloc)
     on = banner({"memory": {"tiled_mlp": True, "mlp_tiles": 4, "tiled_loss": True, "loss_chunks": 3,

@@ -164,6 +164,10 @@ class NonFiniteGuard:
         self.skipped_total += 1
         return verdict
 
+    def skipped(self, step: int) -> NonFiniteStep | None:
+        """What was not finite at ``step``, when :meth:`check` skipped it (None: applied)."""
+        return self.streak[-1] if self.streak and self.streak[-1].step == step else None
+
     def should_stop(self) -> bool:
         return len(self.streak) > self.max_steps
 

@@ -291,7 +291,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         aux = model.pop_router_aux_loss() if hasattr(model, "pop_router_aux_loss") else None
         aux_row = {} if aux is None else {"router_aux_loss": global_loss(aux, pmesh.loss).item()}
         grad_norm = float(grad_norm)
-        skipped = guard.streak[-1] if guard.streak else None  # this step's, when it was skipped
+        skipped = guard.skipped(step)  # what was not finite, when this step was skipped
         step_time = time.perf_counter() - t0
         recent_step_times.append(step_time)
         row = metrics.log(
