@@ -8,7 +8,8 @@
 #
 # Setup (scripts/_python_env.sh): the active Python or ./.venv, pinned torch
 # first (TORCH_PIN, default torch==2.13.0), then this package with its
-# dependencies. Environment: PYTHON (interpreter), NPROC (ranks), MAX_RESTARTS
+# dependencies. Environment: PYTHON (interpreter), NPROC (ranks),
+# PYTORCH_CUDA_ALLOC_CONF (default expandable_segments:True), MAX_RESTARTS
 # (0): how often torchrun restarts the ranks after one fails; each restart resumes
 # from the newest complete checkpoint (the trainer keys its process group's start
 # on the attempt, see ulysses_dtensor/runtime/restarts.py).
@@ -40,6 +41,12 @@ case " $* " in
 esac
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# The CUDA allocator for long context: expandable segments, unless you set
+# PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF (even empty); the run's banner says which
+# is in effect (ulysses_dtensor/runtime/allocator.py).
+if [ -z "${PYTORCH_CUDA_ALLOC_CONF+set}" ] && [ -z "${PYTORCH_ALLOC_CONF+set}" ]; then
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ULYSSES_DTENSOR_ALLOC_DEFAULT=1
+fi
 echo "run_train.sh: $nproc ranks ($([ "$gpus" -gt 0 ] && echo "$gpus GPUs" || echo "CPU, gloo"))" >&2
 exec "$py" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
     --max_restarts="${MAX_RESTARTS:-0}" \

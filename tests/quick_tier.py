@@ -34,6 +34,7 @@ WHOLE_FILES = {
     "test_regions.py",
     "test_llama.py",
     "test_memory_features.py",
+    "test_nonfinite.py",
     "test_norm.py",
     "test_rope.py",
     "test_schedule.py",
@@ -164,6 +165,9 @@ THROUGH = {
     "ulysses_dtensor.integrations.hf.checkpoint_io": "test_hf_integration.py::test_example_hf_custom_loop_trains_loads_and_saves",
     # UlyssesSFTTrainer's run: the Trainer's accelerator over the data-parallel ranks.
     "ulysses_dtensor.integrations.hf.ulysses_trainer.accelerator": "test_hf_trainer.py::test_sft_lora_sp2_checkpoints_and_resumes",
+    # Its guard between the gradient norm and the optimizer step, at every step of the same run.
+    "ulysses_dtensor.integrations.hf.ulysses_trainer.nonfinite_steps":
+        "test_hf_trainer.py::test_sft_lora_sp2_checkpoints_and_resumes",
     "ulysses_dtensor.integrations.hf.mixers.gated_delta_net":
         "test_hf_linear_attention.py::test_gated_delta_restarts_equal_each_document_alone",
     "ulysses_dtensor.integrations.hf.mixers.mamba": "test_hf_linear_attention.py::test_hybrid_models_match_unsharded_on_every_mesh",

@@ -25,6 +25,7 @@ the same logged value on every rank.
   with ``ULYSSES_HF_TRAINER_ALL=1``; the quick tier's run: LoRA on sp 2, resumed;
 * memory switches on two runs (:data:`MEMORY_SWITCHES`); ``accelerate launch`` of one
   process (the trainer makes its own world of one);
+* a step with a non-finite loss or gradient skipped on every rank, and the run stopped;
 * refusals: TrainingArguments, batches and objects that cannot run, one message each.
 """
 
@@ -435,6 +436,66 @@ def test_accelerate_launch_runs_the_sft_script_alone(model_dirs, tmp_path):
     losses = eval(line.split(";")[0].removeprefix("losses "))  # noqa: S307 - the script's own printout
     assert sorted(losses) == list(range(1, STEPS + 1)) and all(math.isfinite(v) for v in losses.values()), line
     assert (out / "config.json").is_file() and list(out.glob("model*.safetensors")), sorted(out.iterdir())
+
+
+# -- non-finite steps -------------------------------------------------------------------------------
+
+
+def _run_injected(rank: int, world: int, script: str, runs: list[tuple[list[str], str]]) -> list[str | None]:
+    """Each (argv, faults) of ``runs`` through the script with runtime/nonfinite.py's test hook
+    set; the NonFiniteError's message, or None when the run finished."""
+    from ulysses_dtensor.runtime.nonfinite import NONFINITE_FAULT_ENV, NonFiniteError
+
+    allocator = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "ULYSSES_DTENSOR_ALLOC_DEFAULT")
+    saved = {k: os.environ.pop(k, None) for k in allocator}  # unset: the trainer sets its default
+    out = []
+    for argv, faults in runs:
+        os.environ[NONFINITE_FAULT_ENV] = faults
+        try:
+            with script_run():
+                load_script(script).main(argv)
+            out.append(None)
+        except NonFiniteError as e:
+            out.append(str(e))
+        finally:
+            del os.environ[NONFINITE_FAULT_ENV]
+    out.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    for key, value in saved.items():
+        os.environ.pop(key, None)
+        if value is not None:
+            os.environ[key] = value
+    return out
+
+
+def test_nonfinite_steps_are_skipped_and_stop_the_trainer(model_dirs, tmp_path):
+    """UlyssesTrainer on sp 2, a checkpoint every step. A NaN in rank 1's gradient shard only at
+    step 3 (one skip allowed): step 3 is skipped on both ranks -- no checkpoint-3, and the model
+    saved after train() is checkpoint-2's, bit for bit. A NaN loss on rank 0 at step 2 with
+    max_nonfinite_steps 0: train() raises on both ranks with one message naming step 2, rank 0's
+    loss and checkpoint-1, and writes no checkpoint-2. PYTORCH_CUDA_ALLOC_CONF unset, the trainer
+    set its default."""
+    from safetensors.torch import load_file
+
+    skip = tmp_path / "skip"
+    stop = tmp_path / "stop"
+    every_step = ["--sp_size", "2", "--save_strategy", "steps", "--save_steps", "1"]
+    runs = [(_common(skip, model_dirs["llama"], GLOBAL_ROWS, *every_step, "--max_nonfinite_steps", "1"), "grad:1:3"),
+            (_common(stop, model_dirs["llama"], GLOBAL_ROWS, *every_step, "--max_nonfinite_steps", "0"), "loss:0:2")]
+    results = run_ranks(2, _run_injected, str(TRAINER_SCRIPT), runs)
+    assert results[0] == results[1]
+    finished, stopped, allocator = results[0]
+    assert allocator == "expandable_segments:True"  # unset before: UlyssesTrainer's default
+    assert finished is None
+    assert sorted(p.name for p in skip.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    saved, step2 = (load_file(d / "model-00001-of-00001.safetensors") for d in (skip, skip / "checkpoint-2"))
+    assert saved.keys() == step2.keys() and all(torch.equal(saved[k], step2[k]) for k in saved)
+    assert stopped == (
+        "training stopped at step 2: 1 step in a row with a non-finite loss or gradient norm (step 2; "
+        "UlyssesArguments.max_nonfinite_steps=0 stops at the first); no update of that step was applied. Step 2: "
+        f"loss not finite on rank 0. Last checkpoint: {stop / 'checkpoint-1'}; resume_from_checkpoint="
+        f"'{stop / 'checkpoint-1'}' resumes there: change what diverged first (e.g. a lower learning_rate), or it "
+        "will diverge again."), stopped
+    assert sorted(p.name for p in stop.glob("checkpoint-*")) == ["checkpoint-1"]
 
 
 # -- what cannot run is refused, by name ------------------------------------------------------------

@@ -6,7 +6,9 @@ The reference is the README's own main command, ``bash scripts/run_train.sh``
 other meshes, and resumed from its step-3 checkpoint, must give the same
 per-step losses. Those runs call the trainer in-process: on the live gloo ranks
 of tests/distributed.py, or in this process for a world of one (what
-``python -m ulysses_dtensor.train`` does).
+``python -m ulysses_dtensor.train`` does). The same job with NaN / inf injected
+on one rank skips the step on every rank, stops after too many in a row, and
+resumes from its last good checkpoint to the reference's losses.
 """
 
 import json
@@ -79,6 +81,8 @@ def reference(tmp_path_factory):
     """The README main command (scripts/run_train.sh) on 4 CPU ranks."""
     dump = tmp_path_factory.mktemp("ref")
     env = {**os.environ, "PYTHON": sys.executable, "NPROC": "2", "OMP_NUM_THREADS": "1"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "ULYSSES_DTENSOR_ALLOC_DEFAULT"):
+        env.pop(name, None)  # unset: run_train.sh applies the allocator default
     cmd = ["bash", str(REPO / "scripts" / "run_train.sh"),
            *_args(dump, "--parallelism.dp_shard", "1", "--parallelism.sp", "2")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -89,6 +93,10 @@ def reference(tmp_path_factory):
 def test_end_to_end_2_ranks(reference):
     dump, proc = reference
     assert "run_train.sh: 2 ranks (CPU, gloo)" in proc.stderr
+    # The banner's memory switches, and the allocator default run_train.sh applied.
+    assert ("  memory: tiled_mlp off, tiled_loss off, offload_activations off, offload_params off, save_attention off; "
+            "allocator: expandable_segments:True (this package's default; set PYTORCH_CUDA_ALLOC_CONF to choose "
+            "another), for CUDA only: not in effect on cpu\n") in proc.stdout
     rows = _rows(dump)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["seq_len"] for r in rows] == [SCHEDULE[s] for s in range(1, STEPS + 1)]
@@ -182,3 +190,80 @@ def test_resume_across_stage_change_and_into_offloaded_parameters(reference, tmp
             assert r["lr"] == pytest.approx(ref[r["step"]]["lr"])
             assert r["grad_norm"] == pytest.approx(ref[r["step"]]["grad_norm"], rel=1e-5)
     assert sorted(p.name for p in (plain / "checkpoint").iterdir()) == ["step-3", "step-6"]  # the interrupted save is gone
+
+
+def _guarded_jobs_worker(rank: int, world: int, jobs: list) -> list[tuple]:
+    """Trainer jobs with non-finite values injected (runtime/nonfinite.py's hook): per job,
+    (the NonFiniteError's message or None, then rank 0's metrics rows and checkpoint folders)."""
+    import torch.distributed as dist
+
+    from ulysses_dtensor.runtime.nonfinite import NONFINITE_FAULT_ENV, NonFiniteError
+
+    out = []
+    for argv, seed_ckpt, faults in jobs:
+        if seed_ckpt is not None and rank == 0:
+            shutil.copytree(*seed_ckpt)
+        dist.barrier()
+        os.environ[NONFINITE_FAULT_ENV] = faults
+        message = None
+        try:
+            _train(argv)
+        except NonFiniteError as e:
+            message = str(e)
+        finally:
+            del os.environ[NONFINITE_FAULT_ENV]
+        dump = Path(argv[argv.index("--job.dump_folder") + 1])
+        seen = (_rows(dump), sorted(p.name for p in (dump / "checkpoint").iterdir())) if rank == 0 else None
+        out.append((message, seen))
+        dist.barrier()
+    return out
+
+
+def test_nonfinite_steps_are_skipped_everywhere_stop_the_run_and_resume(reference, tmp_path):
+    """One skip allowed (training.max_nonfinite_steps=1). A NaN loss on rank 1 at step 5, then a
+    NaN in rank 0's gradient shard only at step 6: both steps are skipped on every rank, and
+    the second in a row stops the run with one message (the same on both ranks) naming both
+    steps, the ranks, the loss / the parameter, and the step-3 checkpoint; steps 1-4 are the
+    reference's, steps 5 and 6 have rows saying skipped and why, and no checkpoint follows
+    step 3. The same job then resumes from step 3 and gives the uninterrupted run's losses.
+    Resumed from step 3 with a NaN gradient on rank 0 only at step 5, a run skips step 5 and
+    goes on: its step 6 is the stopped run's (the weights after step 4 on the same batch, so
+    no rank applied step 5) and not the reference's."""
+    ref_dump, _ = reference
+    mesh = _mesh_args(1, 1, 2)
+    stop, grad = tmp_path / "stop", tmp_path / "grad"
+    skip_one = ("--training.max_nonfinite_steps", "1")
+    jobs = [
+        (_args(stop, *mesh, *skip_one), None, "loss:1:5,grad:0:6"),
+        (_args(stop, *mesh), None, ""),  # resumed from its step-3 checkpoint, nothing injected
+        (_args(grad, *mesh, *skip_one), (ref_dump / "checkpoint" / "step-3", grad / "checkpoint" / "step-3"),
+         "grad:0:5"),
+    ]
+    results = run_ranks(2, _guarded_jobs_worker, jobs)
+    assert [m for m, _ in results[1]] == [m for m, _ in results[0]]  # every rank stopped with the same message
+    (stopped, (stop_rows, stop_ckpts)), (resumed, (rows, _)), (went_on, (grad_rows, _)) = results[0]
+    ref = {r["step"]: r for r in _rows(ref_dump)}
+    grad_cause = "gradient norm nan, non-finite gradients on rank 0 (tok_embeddings.weight)"
+    assert stopped == (
+        "training stopped at step 6: 2 steps in a row with a non-finite loss or gradient norm (steps 5-6; "
+        "training.max_nonfinite_steps=1 skips 1 in a row and stops at the next); no update of those steps was "
+        f"applied. It started at step 5: loss not finite on rank 1. Step 6: {grad_cause}. Last good checkpoint: "
+        f"{stop / 'checkpoint' / 'step-3'} (step 3); a run in the same job.dump_folder resumes from it: change what "
+        "diverged first (e.g. a lower optimizer.lr), or it will diverge again."), stopped
+    assert [r["step"] for r in stop_rows] == list(range(1, STEPS + 1)) and stop_ckpts == ["step-3"]
+    for r in stop_rows[:4]:
+        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6) and "skipped" not in r
+    assert stop_rows[4]["skipped"] is True and stop_rows[4]["loss"] is None
+    assert stop_rows[4]["skip_reason"] == "loss not finite on rank 1"
+    assert stop_rows[5]["skipped"] is True and stop_rows[5]["skip_reason"] == grad_cause
+    assert resumed is None and [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[3]["resumed_from_step"] == 3 and rows[3]["rows_replaced"] == 3
+    for r in rows[3:]:
+        assert "skipped" not in r
+        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6, abs=0)
+        assert r["grad_norm"] == pytest.approx(ref[r["step"]]["grad_norm"], rel=1e-5)
+    assert went_on is None and [r["step"] for r in grad_rows] == [4, 5, 6]
+    assert grad_rows[1]["skip_reason"] == grad_cause and "skipped" not in grad_rows[2]
+    assert grad_rows[0]["loss"] == pytest.approx(ref[4]["loss"], rel=1e-6)
+    assert grad_rows[2]["loss"] == pytest.approx(stop_rows[5]["loss"], rel=1e-6, abs=0)
+    assert abs(grad_rows[2]["loss"] - ref[6]["loss"]) > 1e-4 * ref[6]["loss"]  # step 5's update is missing

@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import sys
 
-from .trainer.known_errors import exit_on_known_error
-from .runtime.process_group import exit_process
-from .trainer.config import config_help, load_config
+from .runtime.allocator import apply_allocator_default
+
+# Before torch is imported (it reads the allocator's settings then): expandable segments
+# unless PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF is set (runtime/allocator.py).
+apply_allocator_default()
+
+from .trainer.known_errors import exit_on_known_error  # noqa: E402
+from .runtime.process_group import exit_process  # noqa: E402
+from .trainer.config import config_help, load_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -406,7 +406,7 @@ def clip_grad_norm_(
     Gradients may be plain tensors or DTensors on any mesh (FSDP's 1-D
     ``dp_shard x sp`` mesh, HSDP's 2-D mesh): the norm is that of the full,
     unsharded gradients, the same a single device computes. One reduction per
-    distinct mesh.
+    distinct mesh. A non-finite norm leaves the gradients unscaled.
     """
     if isinstance(parameters, Tensor):
         parameters = [parameters]
@@ -434,6 +434,9 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()})"
         )
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    # A non-finite norm leaves the gradients as they are (no host sync): the trainers skip
+    # such a step, and the gradients still show which parameters hold the NaN or inf.
+    coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         local.mul_(coef.to(local.device, local.dtype))

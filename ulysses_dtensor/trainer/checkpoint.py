@@ -23,6 +23,9 @@ resuming run has. With ``trainable_only`` (LoRA: a frozen base read from its
 own files) only the parameters that train, and their optimizer state, are saved
 and loaded; the frozen ones are the loading model's own.
 
+A save first checks that every rank's weights and optimizer state are finite: a
+checkpoint of NaN or inf is never written (:class:`NonFiniteError` instead).
+
 A checkpoint that cannot be loaded (a damaged file, a model the config changed)
 raises :class:`CheckpointError` on every rank, naming the folder, the rank and
 the cause in one line: a torchrun restart would meet it again, so the entry
@@ -53,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..runtime.lost_peer import is_peer_failure
+from ..runtime.nonfinite import check_finite_state
 
 __all__ = ["CheckpointManager", "CheckpointError", "COMPLETE_MARKER", "MODEL_INFO_FILE", "complete_steps",
            "load_model_weights"]
@@ -194,6 +198,8 @@ class CheckpointManager:
         rank = _rank()
         tmp = self.folder / f"step-{step}.tmp"
         final = self.path(step)
+        # Never a checkpoint of NaN / inf: every rank checks its shards first (NonFiniteError).
+        check_finite_state(model, optimizer, what=f"checkpoint {final}")
         if rank == 0:
             if tmp.exists():
                 shutil.rmtree(tmp)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from ..data import (
@@ -23,7 +24,10 @@ from .config_schema import ConfigError, JobConfig
 from .data_config import check_data_values, data_path_problem
 from .hf_start import hf_model_args, tokenizer_spec
 
-__all__ = ["check_values", "validate_config", "model_args", "check_eval_data"]
+__all__ = ["check_values", "validate_config", "model_args", "check_eval_data", "WANDB_MISSING_MSG"]
+
+WANDB_MISSING_MSG = ("metrics.enable_wandb=true needs the 'wandb' package, which is not installed: "
+                     "pip install 'ulysses-dtensor[wandb]' (or pip install wandb), or set metrics.enable_wandb=false")
 
 
 # --------------------------------------------------------------------------- #
@@ -45,6 +49,7 @@ def check_values(cfg: JobConfig) -> None:
     positive("training.tokens_per_step", tr.tokens_per_step, 0)
     positive("training.micro_batch_size", tr.micro_batch_size, 0)
     positive("training.max_norm", tr.max_norm, 0)
+    positive("training.max_nonfinite_steps", tr.max_nonfinite_steps, 0)
     positive("checkpoint.interval", cfg.checkpoint.interval)
     positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, 0)
     positive("metrics.log_freq", cfg.metrics.log_freq)
@@ -94,6 +99,8 @@ def check_values(cfg: JobConfig) -> None:
     check_data_values(cfg)
     _check_eval_values(cfg)
     check_effect(cfg, EFFECT_RULES)
+    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(WANDB_MISSING_MSG)
     cfg.context_schedule()  # stage order and tokens_per_step divisibility
 
 

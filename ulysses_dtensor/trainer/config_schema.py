@@ -88,6 +88,10 @@ class Training:
                                   "gradients accumulated (0: the whole local batch at once)")
     seq_len: int = _f(2048, "sequence length when context.schedule is empty (one stage)")
     max_norm: float = _f(1.0, "gradient clipping norm (0: no clipping)")
+    max_nonfinite_steps: int = _f(
+        3, "steps in a row whose loss or gradient norm is NaN or inf that are skipped (every rank skips the "
+        "update; no checkpoint is written); the next one in a row stops the run with one message naming the "
+        "step, the ranks and the last good checkpoint (0: stop at the first)")
     mixed_precision_param: str = _f("float32", "FSDP2 parameter dtype for compute",
                                     ("float32", "bfloat16"))
     mixed_precision_reduce: str = _f("float32", "FSDP2 gradient reduce dtype",
@@ -234,6 +238,10 @@ class Lora:
 class Metrics:
     log_freq: int = _f(1, "print a console line every this many steps")
     enable_tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboard)")
+    enable_wandb: bool = _f(
+        False, "also log each metrics.jsonl row to Weights & Biases, from rank 0 (needs wandb: pip install "
+        "'ulysses-dtensor[wandb]'); the run is named after job.dump_folder, the config attached; WANDB_PROJECT, "
+        "WANDB_ENTITY, WANDB_MODE=offline ... as wandb reads them")
     peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0: known GPUs only)")
     progress_bar: bool = _f(True, "show a progress bar in the console line")
     exchange_timing: bool = _f(

@@ -23,6 +23,7 @@ from .checkpoint import CheckpointError
 from .config_schema import ConfigError
 from ..runtime.lost_peer import PeerLostError
 from ..runtime.node_report import message_for_this_attempt, report_once_per_node
+from ..runtime.nonfinite import NonFiniteError
 
 
 @contextlib.contextmanager
@@ -36,6 +37,10 @@ def exit_on_known_error():
         _stop("data error", e)
     except CheckpointError as e:  # every rank learnt every rank's verdict
         _stop("checkpoint error", e)
+    except NonFiniteError as e:
+        # Every rank stopped at the same step with the same message. Status 3: the run
+        # diverged; a restart from the named checkpoint needs a changed config first.
+        _stop("", e, 3)
     except PeerLostError as e:
         # Each rank names its own step and collective: the survivors' lines say where it stopped.
         print(message_for_this_attempt("", e), file=sys.stderr, flush=True)

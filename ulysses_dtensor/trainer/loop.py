@@ -12,6 +12,13 @@ One step::
 Micro-batching (``training.micro_batch_size``) splits a rank's rows into
 several forward/backward passes; the shares still divide by the step's global
 count, so the update is the same as in one pass.
+
+A step whose loss or gradient norm is not finite on any rank is skipped by every
+rank (no update; a metrics row says so and why); ``training.max_nonfinite_steps``
+such steps in a row are tolerated, the next stops the run with a
+:class:`~ulysses_dtensor.runtime.nonfinite.NonFiniteError` naming the step, the
+ranks and the last good checkpoint. No checkpoint is written at a skipped step,
+nor from weights or optimizer state that are not finite.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from ..models.rope import RopeConfig
 from ..parallel.batch import shard_batch
 from ..parallel.comm_timing import ExchangeTimer, exchange_metrics
 from ..parallel.loss import count_valid_tokens, global_loss
+from ..runtime.nonfinite import NonFiniteGuard
 from ..runtime.process_group import finish_together
 from ..runtime.restarts import restart_store_problem
 from .build import build_model, init_distributed, resolve_vocab_size
@@ -48,6 +56,7 @@ from .hf_model import model_info
 from .hf_start import tokenizer_spec
 from .lora_setup import flops_per_token as lora_flops_per_token
 from .lora_setup import uses_lora
+from .memory_banner import memory_banner
 from .metrics import MetricsLogger
 from .rope_stages import (
     global_rope_length,
@@ -91,14 +100,27 @@ def train(cfg: JobConfig) -> list[dict]:
 
     # A collective whose peer died or went silent ends the run with one PeerLostError.
     phases = CommPhases(cfg.comm)
-    with phases.lost_peer_as_error():
+    with phases.lost_peer_as_error(), _closed_on_error() as opened:
         device, owns_group = init_distributed(cfg.memory.offload_params, cfg.comm.init_timeout_seconds)
-        args = (cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, held_out, phases)
+        args = (cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, held_out, phases, opened)
         if not owns_group:  # a caller's group: leave its lifetime and timeouts to the caller
             return _run(*args)
         phases.sets_timeouts = True
         with finish_together():
             return _run(*args)
+
+
+@contextlib.contextmanager
+def _closed_on_error():
+    """A list the run adds closers to (the metrics writers, the loader's thread): called when
+    the run ends with an error (a W&B run is then marked failed, the rows so far in it)."""
+    closers: list = []
+    try:
+        yield closers
+    except BaseException:
+        for close in closers:
+            close()
+        raise
 
 
 def _check_data_on_rank0(data, tokenizer, schedule, device) -> None:
@@ -112,7 +134,8 @@ def _check_data_on_rank0(data, tokenizer, schedule, device) -> None:
         raise DataError(verdict[0])
 
 
-def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, held_out, phases) -> list[dict]:
+def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, held_out, phases,
+         opened: list) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     # Before anything is built or written: a bad corpus stops the run here.
     _check_data_on_rank0(data, tokenizer, schedule, device)
@@ -161,6 +184,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
                     f"{data_state['tokens_seen']} tokens seen)")
     # This rank's rows from the checkpointed position on, read ahead in a thread.
     loader = data.loader(tokenizer, pmesh.dp_rank, dims.dp, schedule, start_step, data_state)
+    opened.append(loader.close)  # its thread, when the run fails
 
     if start_step >= cfg.training.steps:
         _print0(
@@ -184,12 +208,14 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"  attention: {_attention_banner(cfg, vocab_size, device)}\n"
         f"  implementation {_implementation_banner(cfg)}\n"
         f"  {_checkpointing_banner(cfg)}\n"
+        f"  {_memory_banner(cfg, vocab_size, schedule, dims, device)}\n"
         + _family_banner(model) + _mixer_banner(model, device, cfg) +
         f"{_lora_banner(cfg, model, trained, n_params)}"
         f"  {data.banner(schedule, loader.source_tokens())}\n  {data.packing_banner()}\n  {data.loading_banner()}\n"
         f"{rope_banner(schedule, ropes) if ropes else '  rope: config.json of model.hf_path, every stage'}\n"
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
-        f"  {_eval_banner(cfg, held_out)}; {_timing_banner(cfg, dims.sp, timer is not None)}"
+        f"  {_eval_banner(cfg, held_out)}; {_timing_banner(cfg, dims.sp, timer is not None)}\n"
+        f"  {_nonfinite_banner(cfg)}"
         + "".join(f"\n  not in effect: {note}" for note in inactive_settings(cfg))
         + (f"\n  warning: {restart_note}" if restart_note else "")
     )
@@ -208,7 +234,11 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         enable_tensorboard=cfg.metrics.enable_tensorboard,
         show_progress=cfg.metrics.progress_bar,
         resume_step=start_step,
+        # Named after the job's folder; the config attached (rank 0 only starts a run).
+        wandb_run=dict(name=cfg.dump_folder.resolve().name, config=cfg.to_dict(), notes=cfg.job.description)
+        if cfg.metrics.enable_wandb else None,
     )
+    opened.append(lambda: metrics.close(failed=True))
 
     evaluation = None
     if cfg.eval.interval:
@@ -219,6 +249,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
     rows: list[dict] = []
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.training.max_norm or float("inf")
+    guard = NonFiniteGuard(cfg.training.max_nonfinite_steps, "training.max_nonfinite_steps")
+    last_saved = latest  # the newest checkpoint written from finite weights (this run's or the one resumed)
     for step in range(start_step + 1, cfg.training.steps + 1):
         # The first step after a (re)start may compile and set up communicators: the long timeout.
         phases.enter("training step", step, long=step == start_step + 1)
@@ -248,6 +280,8 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
                 max_norm=max_norm,
                 lr=lr,
                 params=params,
+                step=step,
+                guard=guard,
             )
         if rope is not None:
             model.rope_seq_len = None  # evaluation forwards take their own batch's length
@@ -257,6 +291,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         aux = model.pop_router_aux_loss() if hasattr(model, "pop_router_aux_loss") else None
         aux_row = {} if aux is None else {"router_aux_loss": global_loss(aux, pmesh.loss).item()}
         grad_norm = float(grad_norm)
+        skipped = guard.skipped(step)  # what was not finite, when this step was skipped
         step_time = time.perf_counter() - t0
         recent_step_times.append(step_time)
         row = metrics.log(
@@ -271,17 +306,24 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
             step_time=step_time,
             # Read after the loss was fetched: on CUDA the exchange events are done.
             extra={**(rope_row(rope) if rope is not None else {}), **aux_row, **data.step_metrics(loader),
-                   **(exchange_metrics(timer.read(), step_time) if timer is not None else {})},
+                   **(exchange_metrics(timer.read(), step_time) if timer is not None else {}),
+                   **(skipped.row() if skipped is not None else {})},
         )
         if row is not None:
             rows.append(row)
+        if guard.should_stop():
+            raise guard.error(_last_checkpoint(cfg, ckpt, last_saved))
         if evaluation is not None and evaluation.due(step):
             phases.enter("evaluation", step, long=True)
             evaluation.run(step, seq_len, step_seconds=statistics.median(recent_step_times))
             recent_step_times.clear()
             dist.barrier()  # rank 0 writes the report and plots: the next step's short timeout starts together
 
-        if ckpt.should_save(step, cfg.training.steps):
+        if ckpt.should_save(step, cfg.training.steps) and skipped is not None:
+            # Its weights are the last applied step's, and a run that goes on diverging would
+            # rotate the good checkpoints out (checkpoint.keep_latest_k).
+            _print0(f"checkpoint of step {step} not written: the step was skipped (non-finite)")
+        elif ckpt.should_save(step, cfg.training.steps):
             phases.enter("checkpoint save", step, long=True)
             ckpt.save(
                 step,
@@ -301,6 +343,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
                 },
                 model_info={**info, **(trained_rope_info(schedule, ropes, step) if ropes else {})},
             )
+            last_saved = step
             _print0(f"saved checkpoint {ckpt.path(step)}")
         inject_test_fault(step, cfg.dump_folder)  # only with ULYSSES_DTENSOR_TEST_FAULT set (tests)
     phases.enter("the final barrier", long=True)  # ranks finish their last save / eval at different times
@@ -358,6 +401,32 @@ def _checkpointing_banner(cfg: JobConfig) -> str:
     if mem.offload_activations:
         moved = "; layer inputs" + (" and kept attention outputs" if ac.save_attention else "") + " offloaded to host"
     return f"activation checkpointing full{kept}{moved}"
+
+
+def _memory_banner(cfg: JobConfig, vocab_size: int, schedule, dims, device: torch.device) -> str:
+    from .config_checks import model_args
+    from .hf_model import uses_transformers
+
+    return memory_banner(cfg, model_args(cfg, vocab_size), schedule, dims, device.type,
+                         transformers=bool(cfg.model.hf_path) and uses_transformers(cfg))
+
+
+def _nonfinite_banner(cfg: JobConfig) -> str:
+    n = cfg.training.max_nonfinite_steps
+    return ("a step with a non-finite loss or gradient norm stops the run (training.max_nonfinite_steps=0)" if n == 0
+            else f"steps with a non-finite loss or gradient norm are skipped, {n} in a row at most "
+                 f"(training.max_nonfinite_steps={n}), then the run stops")
+
+
+def _last_checkpoint(cfg: JobConfig, ckpt: CheckpointManager, step: int | None) -> str:
+    """Where a stopped run can resume from, for its message."""
+    if not ckpt.enable:
+        return "No checkpoint: checkpoint.enable=false."
+    if step is None:
+        return (f"No checkpoint was written from finite weights (checkpoint.interval={ckpt.interval}): a new run "
+                f"starts from step 1.")
+    return (f"Last good checkpoint: {ckpt.path(step)} (step {step}); a run in the same job.dump_folder resumes "
+            f"from it: change what diverged first (e.g. a lower optimizer.lr), or it will diverge again.")
 
 
 def _family_banner(model) -> str:

@@ -1,4 +1,5 @@
-"""Per-step training metrics: console line, ``metrics.jsonl``, optional TensorBoard.
+"""Per-step training metrics: console line, ``metrics.jsonl``, optional TensorBoard and
+Weights & Biases.
 
 Three kinds of figure, and the field names say which:
 
@@ -21,6 +22,17 @@ the world size::
     tps            = batch_size * seq_len / step_time
     tps_per_device = tps / world_size
     mfu            = tps_per_device * flops_per_token(seq_len) / peak_flops
+
+A step skipped because its loss or gradient norm was not finite (its update not
+applied, see :mod:`ulysses_dtensor.runtime.nonfinite`) has a row too, with
+``skipped: true`` and ``skip_reason`` (what was not finite, on which ranks); its
+``loss`` / ``grad_norm`` are null when not finite (JSON has no NaN).
+
+With ``metrics.enable_wandb`` rank 0 also logs each row to a Weights & Biases run (the
+same fields and values, nulls left out, at the row's step), named after the job's dump
+folder with the config attached; ``WANDB_PROJECT`` (default ``ulysses_dtensor``),
+``WANDB_ENTITY``, ``WANDB_NAME`` (or torchtitan's ``WANDB_RUN_NAME``), ``WANDB_MODE``
+(``offline``: files only, under the dump folder's ``wandb/``) are read as wandb reads them.
 
 ``flops_per_token`` is the model's (matmuls + causal attention at the step's
 sequence length, forward and backward). Peaks are dense bf16: H100 and H200
@@ -47,6 +59,7 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 TENSORBOARD_MSG = (
     "metrics.enable_tensorboard=true needs the 'tensorboard' package: pip install tensorboard"
 )
+WANDB_PROJECT = "ulysses_dtensor"  # when WANDB_PROJECT is not set
 
 
 def peak_flops_for(device: torch.device, override: float = 0.0) -> float | None:
@@ -139,6 +152,7 @@ class MetricsLogger:
         enable_tensorboard: bool = False,
         show_progress: bool = True,
         resume_step: int = 0,
+        wandb_run: dict | None = None,
     ):
         self.rank = rank
         self.world_size = world_size
@@ -150,6 +164,7 @@ class MetricsLogger:
         self.show_progress = show_progress
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.tb = None
+        self.wandb = None
         self._resume_mark: dict = {}
         if rank != 0:
             return
@@ -165,6 +180,8 @@ class MetricsLogger:
             # purge_step hides the events a killed attempt wrote for the steps trained again.
             purge = {"purge_step": resume_step + 1} if self._resume_mark else {}
             self.tb = SummaryWriter(log_dir=str(Path(dump_folder) / "tb"), **purge)
+        if wandb_run is not None:
+            self.wandb = _start_wandb(Path(dump_folder), **wandb_run)
 
     def log(
         self,
@@ -207,14 +224,20 @@ class MetricsLogger:
             row.update(extra)
         row.update(self._resume_mark)
         self._resume_mark = {}
+        written = _finite(row)
         with open(self.path, "a") as fh:
-            fh.write(json.dumps(_finite(row)) + "\n")
+            fh.write(json.dumps(written) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in written.items() if k != "step" and v is not None}, step=step)
         if self.tb is not None:
             for key in ("loss", "grad_norm", "lr", "tps", "tps_per_device", "mfu",
                         "peak_memory_gib_per_device", "seq_len", "exchange_ms", "exchange_share"):
                 if row.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", row[key], step)
-        if step % self.log_freq == 0 or step == self.total_steps:
+        if row.get("skipped"):
+            print(f"step {step}/{self.total_steps} skipped (update not applied), non-finite: {row['skip_reason']}",
+                  flush=True)
+        elif step % self.log_freq == 0 or step == self.total_steps:
             print(self.format(row), flush=True)
         return row
 
@@ -230,9 +253,25 @@ class MetricsLogger:
             f"mem {row['peak_memory_gib_per_device']:.2f}GiB/dev seen {_fmt_count(row['tokens_seen'])}{a2a}"
         )
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=1 if failed else 0)
+            self.wandb = None
+
+
+def _start_wandb(dump_folder: Path, *, name: str, config: dict, notes: str = ""):
+    """A wandb run for this job (rank 0): its files under the dump folder."""
+    import wandb  # checked by the config (metrics.enable_wandb): installed
+
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT") or WANDB_PROJECT,
+        name=os.environ.get("WANDB_NAME") or os.environ.get("WANDB_RUN_NAME") or name,  # torchtitan's, wandb's
+        notes=notes or None,
+        config=config,
+        dir=str(dump_folder),
+    )
 
 
 def _finite(row: dict) -> dict:

@@ -11,6 +11,10 @@ One step::
         loss share = model(ids, positions, documents, labels=, num_valid_tokens=)
         backward            (FSDP2 reduce-scatters and sums the gradients)
     clip to a global norm, set the scheduled lr, AdamW step, drop the gradients
+
+With a :class:`~ulysses_dtensor.runtime.nonfinite.NonFiniteGuard` the AdamW step is
+taken only when the loss and the gradient norm are finite on every rank (decided on all
+ranks together, before the step); ``guard.streak`` then says whether it was skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..runtime.nonfinite import NonFiniteGuard, inject_nonfinite_grad, inject_nonfinite_loss
 from ..runtime.regions import region
 
 __all__ = ["StepResult", "build_optimizer", "train_step"]
@@ -62,6 +67,8 @@ def train_step(
     lr: float | None = None,
     params: list[Tensor] | None = None,
     on_phase: Callable[[str], None] | None = None,
+    step: int = 0,
+    guard: NonFiniteGuard | None = None,
 ) -> StepResult:
     """Forward + backward over micro-batches, clip, optimizer step, zero grad.
 
@@ -78,6 +85,8 @@ def train_step(
         on_phase: called with ``"forward"``, ``"backward"`` (per micro-batch),
             ``"clip"``, ``"optimizer"`` and ``"zero_grad"`` as the step enters
             each phase (the memory planner attributes memory to phases).
+        step, guard: the step's number and its non-finite guard (None: every
+            step is applied, as the planner and the benchmarks run it).
     """
     from ..models.llama_parallelize import clip_grad_norm_
 
@@ -106,6 +115,8 @@ def train_step(
                 labels=batch["labels"][rows],
                 num_valid_tokens=num_valid_tokens,
             )
+        if guard is not None:
+            loss = inject_nonfinite_loss(step, loss)  # a test hook (runtime/nonfinite.py)
         phase("backward")
         with region("step.backward"):
             loss.backward()
@@ -115,6 +126,8 @@ def train_step(
     phase("clip")
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
+    if guard is not None:
+        inject_nonfinite_grad(step, params)  # a test hook (runtime/nonfinite.py)
     with region("step.clip"):
         grad_norm = clip_grad_norm_(params, max_norm)
     if lr is not None:
@@ -122,7 +135,8 @@ def train_step(
             group["lr"] = lr
     phase("optimizer")
     with region("step.optimizer"):
-        optimizer.step()
+        if guard is None or guard.check(step, loss_sum, grad_norm, model) is None:
+            optimizer.step()
         phase("zero_grad")
         optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum, grad_norm)

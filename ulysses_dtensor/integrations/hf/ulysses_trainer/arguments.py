@@ -73,12 +73,20 @@ class UlyssesArguments:
                 "exchanged): a dataset or collator that differs per rank would otherwise train on a mix."})
     allow_untested: bool = field(default=False, metadata={
         "help": "Run a model family the family matrix has not measured without the check at start."})
+    max_nonfinite_steps: int = field(default=3, metadata={
+        "help": "Steps in a row whose loss or gradient norm is NaN or inf that are skipped (no update on any rank, "
+                "no checkpoint); the next one stops train() with one message naming the step, the ranks and the "
+                "last checkpoint (0: stop at the first)."})
 
     def __post_init__(self) -> None:
         for name in ("sp_size", "ring_size", "dp_replicate_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UlyssesTrainerError(f"UlyssesArguments.{name}={value!r} must be an integer >= 1")
+        value = self.max_nonfinite_steps
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UlyssesTrainerError(f"UlyssesArguments.max_nonfinite_steps={value!r} must be an integer >= 0 "
+                                      "(0: stop at the first non-finite step)")
         if isinstance(self.dp_shard_size, bool) or not isinstance(self.dp_shard_size, int) or (
                 self.dp_shard_size < 1 and self.dp_shard_size != -1):
             raise UlyssesTrainerError(

@@ -22,7 +22,13 @@ past the head count), FSDP2 / HSDP and memory switches, the change in one place:
 * ``prediction_step`` (``evaluate`` / ``predict``): the loss of this data-parallel rank's
   batch, and its logits gathered back to whole sequences (transformers #48663 leaves them
   split);
-* ``save_model`` / ``_save_checkpoint`` / ``resume_from_checkpoint``: :mod:`.checkpoints`.
+* ``save_model`` / ``_save_checkpoint`` / ``resume_from_checkpoint``: :mod:`.checkpoints`;
+* between the gradient norm and the optimizer step: a step whose loss or gradient norm is
+  not finite is skipped on every rank, too many in a row stop the run
+  (:mod:`.nonfinite_steps`).
+
+The CUDA allocator is set for long context (expandable segments) unless the user set
+``PYTORCH_CUDA_ALLOC_CONF`` (:mod:`ulysses_dtensor.runtime.allocator`).
 
 The model is called through :func:`~ulysses_dtensor.integrations.hf.adapt_causal_lm`
 (tiled loss, the MoE router loss over the global batch), adapted at its first call:
@@ -42,6 +48,8 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME, Trainer
 
 from ulysses_dtensor.parallel.loss import count_valid_tokens, global_loss
 from ulysses_dtensor.parallel.mesh import ParallelDims
+from ulysses_dtensor.runtime.allocator import allocator_banner, apply_allocator_default
+from ulysses_dtensor.runtime.nonfinite import check_finite_state, inject_nonfinite_loss
 
 from ..attention_function import DOCUMENT_IDS_KWARG
 from ..causal_lm import adapt_causal_lm
@@ -59,6 +67,7 @@ from .checkpoints import (
     save_peft_adapter,
     save_training_state,
 )
+from .nonfinite_steps import NonFiniteSteps
 from .refusals import UlyssesTrainerError
 
 __all__ = ["UlyssesTrainer", "UlyssesTrainerMixin"]
@@ -155,7 +164,7 @@ def _transformers_model(model: nn.Module) -> nn.Module:
     return inner
 
 
-class UlyssesTrainerMixin:
+class UlyssesTrainerMixin(NonFiniteSteps):
     """Ulysses SP + FSDP2 for a transformers ``Trainer`` (subclass), configured by
     ``ulysses_args=UlyssesArguments(...)`` (see the module doc)."""
 
@@ -169,6 +178,7 @@ class UlyssesTrainerMixin:
         if not isinstance(ulysses_args, UlyssesArguments):
             raise TypeError(f"ulysses_args must be a UlyssesArguments, got {type(ulysses_args).__name__}")
         self.ulysses_args = ulysses_args
+        apply_allocator_default()  # CUDA may be initialised already: set in the running allocator too
         self.pmesh = None
         self._sp_model = None  # the transformers model under SP (a peft model's base model)
         self._sp_lm = None  # the same, adapted to the call interface, at its first call
@@ -199,6 +209,8 @@ class UlyssesTrainerMixin:
         self._sp_model = _transformers_model(self.model)
         _check_same_weights(self._sp_model, self.args.device)
         parallelize_hf_model(self._sp_model, self.pmesh, **options)
+        if self.is_world_process_zero():
+            logger.info("UlyssesTrainer %s", allocator_banner(self.args.device.type))
 
     def _check_trainer_objects(self) -> None:
         if self.compute_loss_func is not None:
@@ -272,6 +284,8 @@ class UlyssesTrainerMixin:
         steps = getattr(self, "current_gradient_accumulation_steps", 1) if lm.training else 1
         lm.aux_loss_weight = 1.0 / max(1, steps)  # the router loss: the mean over the step's micro-batches
         loss = self._forward(batch, local, labels, num_items_in_batch)
+        if lm.training:
+            loss = inject_nonfinite_loss(self.state.global_step + 1, loss)  # a test hook (runtime/nonfinite.py)
         self.record_batch(batch, inputs, lm)
         return (loss, None) if return_outputs else loss
 
@@ -307,6 +321,7 @@ class UlyssesTrainerMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """A ``from_pretrained`` directory (a peft adapter for a peft model); every rank calls it."""
         output_dir = self.args.output_dir if output_dir is None else output_dir
+        check_finite_state(self.model, None, what=f"the model in {output_dir}")  # never NaN / inf weights
         if _is_peft(self.model):
             save_peft_adapter(self.model, output_dir)
         else:

@@ -10,7 +10,9 @@ before theirs is written. So the first such error a process creates installs a
 ``sys.excepthook``: when the error ends the script, the first rank of the node
 prints ``UlyssesTrainer error: <message>`` and the others nothing
 (:func:`~ulysses_dtensor.runtime.node_report.report_once_per_node`); the exit
-status stays Python's 1. Any other exception goes to the hook that was there
+status stays Python's 1. A run stopped for non-finite steps
+(:class:`~ulysses_dtensor.runtime.nonfinite.NonFiniteError`) is reported the same
+way, its message unprefixed. Any other exception goes to the hook that was there
 before; an error the script catches is the script's.
 """
 
@@ -19,8 +21,9 @@ from __future__ import annotations
 import sys
 
 from ulysses_dtensor.runtime.node_report import report_once_per_node
+from ulysses_dtensor.runtime.nonfinite import NonFiniteError
 
-__all__ = ["UlyssesTrainerError"]
+__all__ = ["UlyssesTrainerError", "install_report_hook"]
 
 KIND = "UlyssesTrainer error"
 
@@ -30,13 +33,14 @@ class UlyssesTrainerError(ValueError):
 
     def __init__(self, *args):
         super().__init__(*args)
-        _install_report_hook()
+        install_report_hook()
 
 
 _previous_hook = None
 
 
-def _install_report_hook() -> None:
+def install_report_hook() -> None:
+    """Report an uncaught UlyssesTrainerError or NonFiniteError once per node (idempotent)."""
     global _previous_hook
     if _previous_hook is None:
         _previous_hook, sys.excepthook = sys.excepthook, _report_hook
@@ -45,5 +49,7 @@ def _install_report_hook() -> None:
 def _report_hook(exc_type, exc, tb) -> None:
     if isinstance(exc, UlyssesTrainerError):
         report_once_per_node(KIND, exc)
+    elif isinstance(exc, NonFiniteError):
+        report_once_per_node("", exc)
     else:
         _previous_hook(exc_type, exc, tb)
