@@ -10,6 +10,7 @@ comes from the least-squares line through the runs at several layer counts.
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import _common as C
@@ -163,6 +164,11 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
     }
     if raw.get("exchange") is not None:
         rec["exchange"] = raw["exchange"]
+    if raw.get("timed_steps") is not None:
+        rec["timed_steps"] = {**raw["timed_steps"],
+                              "finite": all(math.isfinite(x) for v in raw["timed_steps"].values() for x in v)}
+    if raw.get("collectives") is not None:
+        rec["collectives"] = raw["collectives"]
     if extrapolated:
         rec["extrapolated"] = extrapolated
         a2a_rec["bytes_match"] = None  # not counted: the formula at n_layers

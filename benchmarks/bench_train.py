@@ -21,8 +21,9 @@ Two modes:
 
 ``--mode simulate --world N --sp P``
     ONE process stands in for rank 0 of a world of N: a fake process group
-    (collectives are skipped; their outputs have the right shapes and
-    unspecified contents), real compute, real allocations: the per-rank
+    (collectives are skipped; their outputs are given what this rank would
+    receive if every rank held its data, ``_simulated_collectives.py``), real
+    compute, real allocations: the per-rank
     step of a large job on one device. The skipped communication is added
     back from the bytes counted on the step and a stated bandwidth
     (``--link-gbps``; FSDP all-gather / reduce-scatter from their counted
@@ -65,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
 from _exchange import compare_record, exchange_record  # noqa: E402
+from _simulated_collectives import DefinedCollectives  # noqa: E402
 from _train_record import DTYPES, extrapolate, make_record, model_args  # noqa: E402
 
 from ulysses_dtensor.models.llama import Llama, llama_args  # noqa: E402
@@ -338,8 +340,27 @@ def resident_bytes(model, optimizer, device: torch.device) -> int:
     return total
 
 
-def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -> dict:
-    """Build the parallelized model and run its steps: counted, warm-up, memory, timed."""
+def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool,
+            define_collectives: bool = True) -> dict:
+    """Build the parallelized model and run its steps: counted, warm-up, memory, timed.
+
+    Simulated (fake process group), every collective's output gets a defined value
+    (:class:`DefinedCollectives`; ``define_collectives=False`` leaves them as the
+    fake group does, for tests), except in compiled steps, which a dispatch mode would
+    run eagerly. Each timed step's loss share and gradient norm are returned."""
+    defined = DefinedCollectives() if simulate and define_collectives and not a.compile else None
+    with defined if defined is not None else contextlib.nullcontext():
+        raw = _measure(a, args, pmesh, device, seq, simulate=simulate)
+    if simulate:
+        raw["collectives"] = (
+            {"outputs": "defined", "written": dict(defined.counts), "unknown": dict(defined.unknown)}
+            if defined is not None else
+            {"outputs": "as the fake process group leaves them"
+                        + (" (compiled steps: a dispatch mode would run them eagerly)" if a.compile else "")})
+    return raw
+
+
+def _measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -> dict:
     dims = pmesh.dims
     sp, world = dims.sp, dims.world_size
     if seq % sp:
@@ -352,9 +373,10 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
     else:  # constant across steps: counted once, outside the timed step
         n_valid = count_valid_tokens(batch["labels"], pmesh.loss)
     params = [p for p in model.parameters() if p.requires_grad]
+    results = []  # the timed steps' loss shares and gradient norms, read after the timing
 
     def step():
-        train_step(model, optimizer, batch, n_valid, max_norm=a.max_norm, params=params)
+        return train_step(model, optimizer, batch, n_valid, max_norm=a.max_norm, params=params)
 
     # 1) first warm-up step, eager, counting every collective
     a2a, fsdp = CollectiveCounter(), FsdpTraffic()
@@ -384,10 +406,11 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
 
     def timed_step():
         if not timed:
-            return step()
+            results.append(step())
+            return
         timers.append(ExchangeTimer(device))
         with timers[-1].active():
-            step()
+            results.append(step())
 
     barrier = None if simulate or world == 1 else dist.barrier
     times = C.timed_interleaved({"step": timed_step}, warmup=0, iters=a.iters, device=device, barrier=barrier)
@@ -398,7 +421,9 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
         mem["step_peak_bytes"] = torch.cuda.max_memory_allocated(device) - start
         mem["max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         mem["max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        mem["method"] = "CUDA: max_memory_allocated over the timed steps (relative to their start, and absolute)"
+        mem["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # None: the allocator's defaults
+        mem["method"] = ("CUDA: max_memory_allocated over the timed steps (relative to their start, and "
+                         "absolute); max_memory_reserved beside it (what the caching allocator held)")
     mem["peak_bytes"] = state + mem["step_peak_bytes"]
     if not simulate and world > 1:  # the largest rank
         t = torch.tensor([mem["peak_bytes"]], dtype=torch.float64, device=device)
@@ -416,8 +441,12 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
         "memory": mem,
         "backend": dist.get_backend(),
         "exchange": exchange,
+        # this rank's loss share and the gradient norm of each timed step (simulated: the
+        # norm over what the fake all-reduce leaves, i.e. this rank's shards)
+        "timed_steps": {"loss": [float(r.loss_sum) for r in results],
+                        "grad_norm": [float(r.grad_norm) for r in results]},
     }
-    del model, optimizer, params, batch, step, timed_step
+    del model, optimizer, params, batch, step, timed_step, results
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -516,7 +545,7 @@ def main_simulate(a) -> int:
     out = C.stdout_for_records()
     torch.set_num_threads(a.threads or C.usable_cores())
     if a.device == "cpu":
-        torch.set_flush_denormal(True)  # skipped collectives leave unspecified values behind
+        torch.set_flush_denormal(True)  # denormals are slow on CPUs and matter to no figure here
     device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
