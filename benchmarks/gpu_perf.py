@@ -382,7 +382,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: the piece's limit that gpu_perf.sh sets, GPU_PERF_PIECE_LIMIT, less 10 s)")
     p.add_argument("--layers", type=int, help=f"profile: layers of the profiled model (default {PROFILE_LAYERS})")
     p.add_argument("--budget-gib", type=float, help=f"plan: device memory (capped at {PLAN_BUDGET_GIB})")
-    p.add_argument("--budget-s", type=float, help="report: the kit's time budget, for the summary")
     a = p.parse_args(argv)
     if a.deadline_s is None:
         a.deadline_s = float(os.environ.get("GPU_PERF_PIECE_LIMIT", 1e9)) - 10
@@ -395,7 +394,7 @@ def main(argv=None) -> int:
     if args.piece == "report":
         from _gpu_perf_report import report
 
-        return report(args.out, budget_s=args.budget_s)
+        return report(args.out)
     if args.piece == "shape":
         from _gpu_perf_shape import piece_shape
 
