@@ -286,3 +286,36 @@ def test_with_no_time_left_every_piece_is_skipped_and_the_report_still_comes(tmp
     assert "MET" not in block and "n/a (no record says what ran)" not in block
     with tarfile.open(tmp_path / "gpu_perf.tar.gz") as tar:
         assert {"pieces/pieces.jsonl", "pieces/RESULTS_block.md", "pieces/summary.json"} <= set(tar.getnames())
+
+
+def test_a_variant_that_would_not_finish_in_the_time_left_is_skipped(tmp_path, monkeypatch):
+    # The shape piece with its measuring replaced: each layer count "takes" 10 s of a fake clock.
+    # auto at [1, 3] takes 20 s of a 35 s deadline; save_attention would take about 25 s (20 s
+    # x 1.25): it is skipped, saying so, and the piece goes on.
+    import argparse
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import _gpu_perf_shape
+    import bench_train
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(_gpu_perf_shape, "time", SimpleNamespace(monotonic=lambda: clock.now))
+
+    def sweep(a, pmesh, device, report, *, simulate):
+        for n in a.layers:
+            clock.now += 10.0
+            report({"config": {"model": {"n_layers": n}}, "step_time": {"median_ms": 100.0 * n}})
+        return True
+
+    monkeypatch.setattr(bench_train, "sweep", sweep)
+    sdpa = {"runs": True, "dispatch": ["aten::_scaled_dot_product_flash_attention_for_cpu"]}
+    (tmp_path / "env.json").write_text(json.dumps({"auto": "sdpa", "kernels": {"auto": sdpa, "sdpa": sdpa}}))
+    args = argparse.Namespace(shape="llama", out=tmp_path, tiny=True, deadline_s=35.0)
+    assert _gpu_perf_shape.piece_shape(args) == 0
+    plan, *recs = _lines(tmp_path / "shape_llama.jsonl")
+    assert plan["plan"]["variants"] == ["auto (sdpa) / full AC", "auto (sdpa) / save_attention"]
+    assert [r["config"]["model"]["n_layers"] for r in recs[:2]] == [1, 3]
+    (skip,) = recs[2:]
+    assert skip["kit"]["variant"] == "auto (sdpa) / save_attention"
+    assert skip["skipped"] == "not enough time left in this piece (15 s; this variant at [1, 3] layers: about 25 s)"
