@@ -205,7 +205,8 @@ def report(out: Path) -> int:
                                        "unknown device")
     what = " -- TINY CPU SMOKE RUN, not a measurement" if tiny else (
         " -- nothing recorded what ran" if tiny is None else "")
-    L = [f"## {device}, GPU perf kit (`bash scripts/gpu_perf.sh`), {env.get('date', '')}{what}", ""]
+    date = env.get("date") or next((r["date"] for recs in records.values() for r in recs if "date" in r), "")
+    L = [f"## {device}, GPU perf kit (`bash scripts/gpu_perf.sh`), {date}{what}", ""]
     L += _env_lines(env, pieces, [r for recs in records.values() for r in recs])
     L += _kit_lines(kit, env)
     L += ["", "Commands: `bash scripts/gpu_perf.sh OUT` (pieces: `python benchmarks/gpu_perf.py PIECE --out OUT`); "

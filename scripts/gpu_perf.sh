@@ -30,7 +30,7 @@
 # A fla-core wheel carried in .whl/ (scripts/kernel_wheels.sh) is installed first. GPU_PERF_KEEP=1
 # keeps the unpacked OUT_DIR/pieces. PYTHON picks the interpreter.
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,36p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,31p "$0"; exit 2; }
 top="$(mkdir -p "$1" && cd "$1" && pwd)"
 out="$top/pieces"  # the pieces' files; packed and removed at the end (GPU_PERF_KEEP=1 keeps them)
 rm -rf "$out" "$top/gpu_perf.tar.gz" && mkdir -p "$out"

@@ -38,7 +38,7 @@ def _record(layers: int, step_ms: float, variant: str = AUTO, *, loss: float = 1
     return {
         "kit": {"shape": "qwen", "title": "Qwen3-8B-shaped, 1M tokens on 8 GPUs (128K per GPU)", "variant": variant,
                 "kernel": kernel, "auto_is": "cudnn", "ac": ac, "full_layers": 36, "layers": [1, 2], "tiny": False},
-        "bench": "train", "mode": "simulate", "device": "NVIDIA H200", "torch": "2.11.0+cu130",
+        "bench": "train", "mode": "simulate", "device": "NVIDIA H200", "torch": "2.11.0+cu130", "date": "2026-12-01",
         "config": {"model": {**QWEN, "n_layers": layers}, "seq": 1 << 20, "tokens_per_rank": 1 << 17, "ac": "full",
                    "save_attention": ac == "save_attention", "tiled_mlp": True, "tiled_loss": True},
         "step_time": {"median_ms": step_ms},
@@ -130,7 +130,7 @@ def test_a_missing_env_json_gives_no_verdict_and_no_cpu_label(tmp_path):
     # figure is shown, the verdict is an error.
     block, summary, rows = _report(tmp_path, [_plan(AUTO), _record(1, 10_000), _record(2, 17_000)], env=None)
     assert summary["tiny"] is False and "TINY" not in block
-    assert block.startswith("## NVIDIA H200, GPU perf kit")
+    assert block.startswith("## NVIDIA H200, GPU perf kit (`bash scripts/gpu_perf.sh`), 2026-12-01\n")
     assert "**env.json is missing** (the piece was killed at its time limit (30 s))" in block
     (row,) = rows
     assert row["shown"] == "255.3" and row["verdict"].startswith("error: env.json is missing")
