@@ -183,6 +183,15 @@ def _plan_lines(plan: dict | None, check: dict | None, tiny) -> list[str]:
     return L + [""]
 
 
+def _section(make, *args) -> list[str]:
+    """One section's lines; a section that cannot be written says why instead of stopping the
+    report (the report is the one piece that must always come back)."""
+    try:
+        return make(*args)
+    except Exception as e:  # noqa: BLE001
+        return [f"(this section could not be written: {type(e).__name__}: {e})", ""]
+
+
 def report(out: Path) -> int:
     env = _read_json(out / "env.json") or {}
     kit = _read_json(out / "kit.json") or {}
@@ -207,8 +216,8 @@ def report(out: Path) -> int:
         " -- nothing recorded what ran" if tiny is None else "")
     date = env.get("date") or next((r["date"] for recs in records.values() for r in recs if "date" in r), "")
     L = [f"## {device}, GPU perf kit (`bash scripts/gpu_perf.sh`), {date}{what}", ""]
-    L += _env_lines(env, pieces, [r for recs in records.values() for r in recs])
-    L += _kit_lines(kit, env)
+    L += _section(_env_lines, env, pieces, [r for recs in records.values() for r in recs])
+    L += _section(_kit_lines, kit, env)
     L += ["", "Commands: `bash scripts/gpu_perf.sh OUT` (pieces: `python benchmarks/gpu_perf.py PIECE --out OUT`); "
           "pieces, exit status and seconds: " + ", ".join(
               f"{p['piece']} {p['rc']} {p['seconds']} s" for p in pieces.values())
@@ -220,10 +229,10 @@ def report(out: Path) -> int:
              "(`benchmarks/_gpu_perf_figures.py`).")
     L.append("")
     for name in ("llama", "qwen"):
-        L += _shape_lines(name, shapes[name])
+        L += _section(_shape_lines, name, shapes[name])
     L += ["### Targets (issue 41), at full depth, collectives modelled at 400 GB/s", ""]
-    L += _target_lines(shapes, tiny, bool(env)) + [""]
-    L += _parity_lines(parity, pieces.get("parity"))
+    L += _section(_target_lines, shapes, tiny, bool(env)) + [""]
+    L += _section(_parity_lines, parity, pieces.get("parity"))
     for name, p in profiles.items():
         if p:
             L += [f"### Where a step goes: {p['title']}, {p['layers']} layers, auto, full AC "
@@ -232,7 +241,7 @@ def report(out: Path) -> int:
             if top:
                 L += ["Backward nodes mapped to no forward region (ms): "
                       + ", ".join(f"{k} {v}" for k, v in top.items()), ""]
-    L += _plan_lines(plan, check, tiny)
+    L += _section(_plan_lines, plan, check, tiny)
     block = "\n".join(L)
     (out / "RESULTS_block.md").write_text(block + "\n")
     print(block)
