@@ -192,12 +192,19 @@ def _section(make, *args) -> list[str]:
         return [f"(this section could not be written: {type(e).__name__}: {e})", ""]
 
 
+def _shape(records: list[dict], piece: dict | None) -> dict:
+    try:
+        return shape_figures(records, piece)
+    except Exception as e:  # noqa: BLE001 -- malformed records: say so, write the rest
+        return {"no_result": f"its records could not be read ({type(e).__name__}: {e})", "variants": {}}
+
+
 def report(out: Path) -> int:
     env = _read_json(out / "env.json") or {}
     kit = _read_json(out / "kit.json") or {}
     pieces = {p["piece"]: p for p in _read_lines(out / "pieces.jsonl")}
     records = {name: _read_lines(out / f"shape_{name}.jsonl") for name in ("llama", "qwen")}
-    shapes = {name: shape_figures(recs, pieces.get(f"shape_{name}")) for name, recs in records.items()}
+    shapes = {name: _shape(recs, pieces.get(f"shape_{name}")) for name, recs in records.items()}
     # What ran: the shape records say, else the kit's settings (written before any piece); never
     # a default (a killed env piece must not turn a GPU run into a CPU one).
     tinies = [s["tiny"] for s in shapes.values() if s.get("tiny") is not None]

@@ -209,3 +209,10 @@ def test_cost_model_scales_the_first_variant_by_layer_count():
     cost.add(2, 30.0)
     cost.add(4, 50.0)
     assert cost.estimate([1, 2]) == pytest.approx(50.0)
+
+
+def test_malformed_records_do_not_stop_the_report(tmp_path):
+    block, summary, rows = _report(tmp_path, [_plan(AUTO), {"kit": {"variant": AUTO}, "step_time": {}}])
+    assert summary["shapes"]["qwen"]["no_result"].startswith("its records could not be read (KeyError")
+    assert [r["verdict"][:41] for r in rows] == ["not measured: its records could not be re"]
+    assert "### Targets" in block and "MET" not in block
