@@ -29,14 +29,16 @@ SHAPES = {
         "local_seq": "128K", "layers": 36, "fit": [1, 2], "warmup": 1, "iters": 1,
     },
 }
-# The CPU smoke run: layer counts 1 and 3, so that a shared CPU's timing noise (a step slowed
-# 2x by other processes) cannot make the step look as if it shrank with the layers.
+# The CPU smoke run times steps in process CPU seconds (``bench_train.py --cpu-clock``), the
+# median of 5 (a tiny step is ~30 ms a layer, ~50 ms): on a shared CPU whose other processes
+# slow a step (even in CPU seconds, on hyperthreads) a 1-layer step must not look slower than
+# a 2-layer one.
 TINY_SHAPES = {
     "llama": {**SHAPES["llama"], "title": "tiny Llama (CPU smoke run)", "flavor": "debug", "local_seq": "16",
-              "layers": 6, "fit": [1, 3], "iters": 1},
+              "layers": 6, "fit": [1, 2], "iters": 5},
     "qwen": {**SHAPES["qwen"], "title": "tiny Qwen3-shaped (CPU smoke run)", "flavor": "debug", "local_seq": "16",
              "overrides": ["n_kv_heads=8", "explicit_head_dim=16", "qk_norm=true", "ffn_dim=160", "vocab_size=640"],
-             "layers": 5, "fit": [1, 3]},
+             "layers": 5, "fit": [1, 2], "iters": 5},
 }
 COMMON = ["--mode", "simulate", "--world", "8", "--sp", "8", "--ac", "full", "--tiled-loss", "--tiled-mlp"]
 

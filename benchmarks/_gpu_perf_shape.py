@@ -105,8 +105,8 @@ def bench_argv(shape: dict, device, kernel: str, layers: list[int], *, save_atte
         argv += ["--extrapolate-layers", str(shape["layers"])]
     if save_attention:
         argv.append("--save-attention")
-    if device.type == "cpu":
-        argv += ["--threads", "1"]
+    if device.type == "cpu":  # the smoke run: one thread, timed in CPU seconds (other processes do not count)
+        argv += ["--threads", "1", "--cpu-clock"]
     return argv
 
 

@@ -152,6 +152,7 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
             "save_attention": a.save_attention,
             "offload_params": a.offload_params,
             "optimizer": "AdamW", "max_norm": a.max_norm, "warmup": a.warmup, "iters": a.iters,
+            "clock": "process CPU seconds" if getattr(a, "cpu_clock", False) else "wall seconds",
         },
         "step_time": ({"median_ms": round(step_s * 1e3, 4)} if extrapolated else
                       {**C.summarize(raw["times"]), "times_ms": [round(t * 1e3, 3) for t in raw["times"]]}),

@@ -166,6 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int,
                    help="untimed steps (the first one also counts collectives, eager); default 2")
     p.add_argument("--iters", type=int, help="timed steps (median reported); default 5")
+    p.add_argument("--cpu-clock", action="store_true",
+                   help="CPU only: time each step in this process's CPU seconds (time.process_time), which "
+                        "other processes on a shared machine do not inflate (the GPU kit's CPU smoke run)")
     p.add_argument("--threads", type=int, help="torch threads per process (default: real cores // ranks, simulate all cores; use 1 on a shared CPU box)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s per device for MFU (default: table by GPU name)")
@@ -197,6 +200,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.dtype = "bfloat16" if a.device == "cuda" else "float32"
     if a.fsdp_gbps is None:
         a.fsdp_gbps = a.link_gbps
+    if a.cpu_clock and a.device != "cpu":
+        p.error("--cpu-clock times CPU seconds: it needs --device cpu")
     if a.warmup < 1:
         p.error("--warmup must be >= 1 (the first untimed step counts the collectives)")
     if a.iters < 1:
@@ -346,7 +351,9 @@ def _measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) 
             results.append(step())
 
     barrier = None if simulate or world == 1 else dist.barrier
-    times = C.timed_interleaved({"step": timed_step}, warmup=0, iters=a.iters, device=device, barrier=barrier)
+    clock = time.process_time if a.cpu_clock else time.perf_counter
+    times = C.timed_interleaved({"step": timed_step}, warmup=0, iters=a.iters, device=device, barrier=barrier,
+                                clock=clock)
     exchange = exchange_record(timers, times["step"], device) if not simulate else None
     if not simulate:
         times = C.max_over_ranks(times, device)

@@ -275,3 +275,14 @@ def test_a_simulated_step_computes_on_defined_collective_outputs():
     assert stale["collectives"]["outputs"].startswith("as the fake process group leaves them")
     assert all(math.isfinite(x) and x > 0 for x in defined["timed_steps"]["loss"] + defined["timed_steps"]["grad_norm"])
     assert defined["collectives"]["outputs"] == "defined" and defined["collectives"]["unknown"] == {}
+
+
+def test_cpu_clock_times_cpu_seconds_on_the_cpu_only(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_train
+
+    base = ["--mode", "simulate", "--quick"]
+    with pytest.raises(SystemExit):
+        bench_train.parse_args([*base, "--device", "cuda", "--cpu-clock"])
+    assert "--cpu-clock times CPU seconds: it needs --device cpu" in capsys.readouterr().err
+    assert bench_train.parse_args([*base, "--device", "cpu", "--cpu-clock"]).cpu_clock

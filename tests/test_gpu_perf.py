@@ -122,6 +122,7 @@ def test_each_shape_has_its_fit_and_full_depth_figures(kit, shape):
     measured = [r for r in auto if "extrapolated" not in r]
     assert [r["config"]["model"]["n_layers"] for r in measured] == spec["fit"]
     assert all(r["communication"].startswith("skipped (fake process group)") for r in measured)
+    assert all(r["config"]["clock"] == "process CPU seconds" for r in measured)  # the smoke run's clock
     assert all(r["world_size"] == 8 and r["config"]["mesh"]["sp"] == 8 for r in measured)
     (ex,) = [r for r in auto if "extrapolated" in r]
     assert ex["config"]["model"]["n_layers"] == spec["layers"]
@@ -290,7 +291,7 @@ def test_with_no_time_left_every_piece_is_skipped_and_the_report_still_comes(tmp
 
 def test_a_variant_that_would_not_finish_in_the_time_left_is_skipped(tmp_path, monkeypatch):
     # The shape piece with its measuring replaced: each layer count "takes" 10 s of a fake clock.
-    # auto at [1, 3] takes 20 s of a 35 s deadline; save_attention would take about 25 s (20 s
+    # auto at [1, 2] takes 20 s of a 35 s deadline; save_attention would take about 25 s (20 s
     # x 1.25): it is skipped, saying so, and the piece goes on.
     import argparse
     from types import SimpleNamespace
@@ -315,7 +316,7 @@ def test_a_variant_that_would_not_finish_in_the_time_left_is_skipped(tmp_path, m
     assert _gpu_perf_shape.piece_shape(args) == 0
     plan, *recs = _lines(tmp_path / "shape_llama.jsonl")
     assert plan["plan"]["variants"] == ["auto (sdpa) / full AC", "auto (sdpa) / save_attention"]
-    assert [r["config"]["model"]["n_layers"] for r in recs[:2]] == [1, 3]
+    assert [r["config"]["model"]["n_layers"] for r in recs[:2]] == [1, 2]
     (skip,) = recs[2:]
     assert skip["kit"]["variant"] == "auto (sdpa) / save_attention"
-    assert skip["skipped"] == "not enough time left in this piece (15 s; this variant at [1, 3] layers: about 25 s)"
+    assert skip["skipped"] == "not enough time left in this piece (15 s; this variant at [1, 2] layers: about 25 s)"
