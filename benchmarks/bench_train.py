@@ -168,7 +168,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, help="timed steps (median reported); default 5")
     p.add_argument("--cpu-clock", action="store_true",
                    help="CPU only: time each step in this process's CPU seconds (time.process_time), which "
-                        "other processes on a shared machine do not inflate (the GPU kit's CPU smoke run)")
+                        "other processes on a shared machine inflate less than wall time (the GPU kit's smoke run)")
     p.add_argument("--threads", type=int, help="torch threads per process (default: real cores // ranks, simulate all cores; use 1 on a shared CPU box)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s per device for MFU (default: table by GPU name)")
