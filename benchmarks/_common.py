@@ -150,13 +150,15 @@ def timed_interleaved(
     iters: int,
     device: torch.device,
     barrier: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """Time each callable ``iters`` times after ``warmup`` untimed rounds.
 
     Variants run round-robin inside each iteration, the starting variant
     rotating, so that slow phases of a shared machine hit all of them. With a
     ``barrier`` every timed call starts with the ranks lined up. Returns the
-    per-iteration wall seconds of each variant on this rank.
+    per-iteration seconds of each variant on this rank: wall seconds, or what
+    ``clock`` counts (``time.process_time``: this process's CPU seconds).
     """
     names = list(fns)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -166,10 +168,10 @@ def timed_interleaved(
             sync(device)
             if barrier is not None:
                 barrier()
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[name]()
             sync(device)
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             if it >= warmup:
                 times[name].append(dt)
     return times

@@ -10,6 +10,7 @@ comes from the least-squares line through the runs at several layer counts.
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import _common as C
@@ -151,6 +152,7 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
             "save_attention": a.save_attention,
             "offload_params": a.offload_params,
             "optimizer": "AdamW", "max_norm": a.max_norm, "warmup": a.warmup, "iters": a.iters,
+            "clock": "process CPU seconds" if getattr(a, "cpu_clock", False) else "wall seconds",
         },
         "step_time": ({"median_ms": round(step_s * 1e3, 4)} if extrapolated else
                       {**C.summarize(raw["times"]), "times_ms": [round(t * 1e3, 3) for t in raw["times"]]}),
@@ -163,6 +165,11 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
     }
     if raw.get("exchange") is not None:
         rec["exchange"] = raw["exchange"]
+    if raw.get("timed_steps") is not None:
+        rec["timed_steps"] = {**raw["timed_steps"],
+                              "finite": all(math.isfinite(x) for v in raw["timed_steps"].values() for x in v)}
+    if raw.get("collectives") is not None:
+        rec["collectives"] = raw["collectives"]
     if extrapolated:
         rec["extrapolated"] = extrapolated
         a2a_rec["bytes_match"] = None  # not counted: the formula at n_layers

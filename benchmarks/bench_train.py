@@ -21,8 +21,9 @@ Two modes:
 
 ``--mode simulate --world N --sp P``
     ONE process stands in for rank 0 of a world of N: a fake process group
-    (collectives are skipped; their outputs have the right shapes and
-    unspecified contents), real compute, real allocations: the per-rank
+    (collectives are skipped; their outputs are given what this rank would
+    receive if every rank held its data, ``_simulated_collectives.py``), real
+    compute, real allocations: the per-rank
     step of a large job on one device. The skipped communication is added
     back from the bytes counted on the step and a stated bandwidth
     (``--link-gbps``; FSDP all-gather / reduce-scatter from their counted
@@ -58,13 +59,14 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C  # noqa: E402
 from _exchange import compare_record, exchange_record  # noqa: E402
+from _fsdp_traffic import FsdpTraffic  # noqa: E402
+from _simulated_collectives import DefinedCollectives  # noqa: E402
 from _train_record import DTYPES, extrapolate, make_record, model_args  # noqa: E402
 
 from ulysses_dtensor.models.llama import Llama, llama_args  # noqa: E402
@@ -164,6 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int,
                    help="untimed steps (the first one also counts collectives, eager); default 2")
     p.add_argument("--iters", type=int, help="timed steps (median reported); default 5")
+    p.add_argument("--cpu-clock", action="store_true",
+                   help="CPU only: time each step in this process's CPU seconds (time.process_time), which "
+                        "other processes on a shared machine inflate less than wall time (the GPU kit's smoke run)")
     p.add_argument("--threads", type=int, help="torch threads per process (default: real cores // ranks, simulate all cores; use 1 on a shared CPU box)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s per device for MFU (default: table by GPU name)")
@@ -195,6 +200,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.dtype = "bfloat16" if a.device == "cuda" else "float32"
     if a.fsdp_gbps is None:
         a.fsdp_gbps = a.link_gbps
+    if a.cpu_clock and a.device != "cpu":
+        p.error("--cpu-clock times CPU seconds: it needs --device cpu")
     if a.warmup < 1:
         p.error("--warmup must be >= 1 (the first untimed step counts the collectives)")
     if a.iters < 1:
@@ -211,73 +218,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.override.append(("attn_backend", a.attn_backend))
     llama_args(a.flavor, **dict(a.override))  # unknown flavor / field: clear error now
     return a
-
-
-# --------------------------------------------------------------------------- #
-# Counting the plain c10d collectives of FSDP2 (all-gather, reduce-scatter)
-# --------------------------------------------------------------------------- #
-
-
-class FsdpTraffic(TorchDispatchMode):
-    """Counts ``c10d::*`` collectives (what FSDP2 issues) and the bytes this rank sends.
-
-    Per op, bytes that leave this rank in a ring over the op's group of N:
-    all-gather: N-1 input shards; reduce-scatter: N-1 output shards;
-    all-reduce: 2(N-1)/N of the buffer; anything else: its input. The
-    functional collectives (the Ulysses all-to-all) are left to
-    ``CollectiveCounter``.
-    """
-
-    # op name -> (index of the tensor that sizes it, kind)
-    _OPS = {
-        "_allgather_base_": (1, "all_gather"),
-        "allgather_into_tensor_coalesced_": (1, "all_gather"),
-        "_reduce_scatter_base_": (0, "reduce_scatter"),
-        "reduce_scatter_tensor_coalesced_": (0, "reduce_scatter"),
-        "allreduce_": (0, "all_reduce"),
-        "allreduce_coalesced_": (0, "all_reduce"),
-    }
-
-    def __init__(self):
-        super().__init__()
-        self.calls: dict[str, int] = {}
-        self.sent: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "c10d":
-            name = func._overloadpacket.__name__
-            if name not in ("barrier", "monitored_barrier_"):
-                idx, kind = self._OPS.get(name, (0, name))
-                nbytes = sum(t.numel() * t.element_size() for t in _tensors(args[idx] if len(args) > idx else []))
-                n = _group_size(args)
-                if kind in ("all_gather", "reduce_scatter"):
-                    sent = nbytes * (n - 1)
-                elif kind == "all_reduce":
-                    sent = 2 * nbytes * (n - 1) // n
-                else:
-                    sent = nbytes
-                self.calls[kind] = self.calls.get(kind, 0) + 1
-                self.sent[kind] = self.sent.get(kind, 0) + sent
-        return func(*args, **kwargs)
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-
-
-def _group_size(args) -> int:
-    for a in args:
-        if isinstance(a, dist.ProcessGroup):
-            return a.size()
-        if isinstance(a, torch.ScriptObject):
-            with contextlib.suppress(Exception):
-                return dist.ProcessGroup.unbox(a).size()
-    return dist.get_world_size()
 
 
 # --------------------------------------------------------------------------- #
@@ -338,8 +278,27 @@ def resident_bytes(model, optimizer, device: torch.device) -> int:
     return total
 
 
-def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -> dict:
-    """Build the parallelized model and run its steps: counted, warm-up, memory, timed."""
+def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool,
+            define_collectives: bool = True) -> dict:
+    """Build the parallelized model and run its steps: counted, warm-up, memory, timed.
+
+    Simulated (fake process group), every collective's output gets a defined value
+    (:class:`DefinedCollectives`; ``define_collectives=False`` leaves them as the
+    fake group does, for tests), except in compiled steps, which a dispatch mode would
+    run eagerly. Each timed step's loss share and gradient norm are returned."""
+    defined = DefinedCollectives() if simulate and define_collectives and not a.compile else None
+    with defined if defined is not None else contextlib.nullcontext():
+        raw = _measure(a, args, pmesh, device, seq, simulate=simulate)
+    if simulate:
+        raw["collectives"] = (
+            {"outputs": "defined", "written": dict(defined.counts), "unknown": dict(defined.unknown)}
+            if defined is not None else
+            {"outputs": "as the fake process group leaves them"
+                        + (" (compiled steps: a dispatch mode would run them eagerly)" if a.compile else "")})
+    return raw
+
+
+def _measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -> dict:
     dims = pmesh.dims
     sp, world = dims.sp, dims.world_size
     if seq % sp:
@@ -352,9 +311,10 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
     else:  # constant across steps: counted once, outside the timed step
         n_valid = count_valid_tokens(batch["labels"], pmesh.loss)
     params = [p for p in model.parameters() if p.requires_grad]
+    results = []  # the timed steps' loss shares and gradient norms, read after the timing
 
     def step():
-        train_step(model, optimizer, batch, n_valid, max_norm=a.max_norm, params=params)
+        return train_step(model, optimizer, batch, n_valid, max_norm=a.max_norm, params=params)
 
     # 1) first warm-up step, eager, counting every collective
     a2a, fsdp = CollectiveCounter(), FsdpTraffic()
@@ -384,13 +344,16 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
 
     def timed_step():
         if not timed:
-            return step()
+            results.append(step())
+            return
         timers.append(ExchangeTimer(device))
         with timers[-1].active():
-            step()
+            results.append(step())
 
     barrier = None if simulate or world == 1 else dist.barrier
-    times = C.timed_interleaved({"step": timed_step}, warmup=0, iters=a.iters, device=device, barrier=barrier)
+    clock = time.process_time if a.cpu_clock else time.perf_counter
+    times = C.timed_interleaved({"step": timed_step}, warmup=0, iters=a.iters, device=device, barrier=barrier,
+                                clock=clock)
     exchange = exchange_record(timers, times["step"], device) if not simulate else None
     if not simulate:
         times = C.max_over_ranks(times, device)
@@ -398,7 +361,9 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
         mem["step_peak_bytes"] = torch.cuda.max_memory_allocated(device) - start
         mem["max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         mem["max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        mem["method"] = "CUDA: max_memory_allocated over the timed steps (relative to their start, and absolute)"
+        mem["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # None: the allocator's defaults
+        mem["method"] = ("CUDA: max_memory_allocated over the timed steps (relative to their start, and "
+                         "absolute); max_memory_reserved beside it (what the caching allocator held)")
     mem["peak_bytes"] = state + mem["step_peak_bytes"]
     if not simulate and world > 1:  # the largest rank
         t = torch.tensor([mem["peak_bytes"]], dtype=torch.float64, device=device)
@@ -416,8 +381,12 @@ def measure(a, args, pmesh, device: torch.device, seq: int, *, simulate: bool) -
         "memory": mem,
         "backend": dist.get_backend(),
         "exchange": exchange,
+        # this rank's loss share and the gradient norm of each timed step (simulated: the
+        # norm over what the fake all-reduce leaves, i.e. this rank's shards)
+        "timed_steps": {"loss": [float(r.loss_sum) for r in results],
+                        "grad_norm": [float(r.grad_norm) for r in results]},
     }
-    del model, optimizer, params, batch, step, timed_step
+    del model, optimizer, params, batch, step, timed_step, results
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -516,7 +485,7 @@ def main_simulate(a) -> int:
     out = C.stdout_for_records()
     torch.set_num_threads(a.threads or C.usable_cores())
     if a.device == "cpu":
-        torch.set_flush_denormal(True)  # skipped collectives leave unspecified values behind
+        torch.set_flush_denormal(True)  # denormals are slow on CPUs and matter to no figure here
     device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

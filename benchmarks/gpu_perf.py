@@ -5,6 +5,7 @@ and writes its results into OUT as it goes, so a piece that fails or runs out of
 time never loses another's:
 
     python benchmarks/gpu_perf.py env        --out OUT   # versions, the kernels that run here, auto's choice
+    python benchmarks/gpu_perf.py parity     --out OUT   # 1 GPU, real process group: kernels against references
     python benchmarks/gpu_perf.py shape      --out OUT --shape llama   # step time per kernel, AC mode
     python benchmarks/gpu_perf.py profile    --out OUT --shape llama   # one step cut into regions
     python benchmarks/gpu_perf.py plan       --out OUT   # the planner's 1-GPU maximum (CPU only)
@@ -13,51 +14,35 @@ time never loses another's:
 
 Shapes are one rank of 8 simulated on the fake process group (``bench_train.py
 --mode simulate``: real compute and allocations of rank 0, every collective
-skipped, the all-to-all and FSDP traffic modelled from counted bytes). Without
-CUDA (or with ``--tiny``) every piece runs at tiny sizes on the CPU: what the
-test suite runs so that the kit cannot rot.
+skipped with its output given defined values, the all-to-all and FSDP traffic
+modelled from counted bytes). Without CUDA (or with ``--tiny``) every piece runs
+at tiny sizes on the CPU: what the test suite runs so that the kit cannot rot.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Shapes: one rank of world 8 with sp 8; full activation checkpointing, tiled MLP and loss
-# (the long-context configs' switches). ``fit``: layer counts timed for the linear fit.
-SHAPES = {
-    "llama": {
-        "title": "Llama-3-8B, 256K tokens on 8 GPUs (32K per GPU)",
-        "flavor": "llama3_8b", "overrides": [], "local_seq": "32K", "layers": 32,
-        "fit": [1, 2, 4], "warmup": 1, "iters": 2,
-    },
-    "qwen": {
-        # Our Llama at Qwen3-8B's sizes, q/k norms included (the rope's base does not change the work).
-        "title": "Qwen3-8B-shaped, 1M tokens on 8 GPUs (128K per GPU)",
-        "flavor": "llama3_8b",
-        "overrides": ["ffn_dim=12288", "vocab_size=151936", "explicit_head_dim=128", "qk_norm=true", "norm_eps=1e-06"],
-        "local_seq": "128K", "layers": 36, "fit": [1, 2], "warmup": 1, "iters": 1,
-    },
-}
-TINY_SHAPES = {
-    "llama": {**SHAPES["llama"], "title": "tiny Llama (CPU smoke run)", "flavor": "debug", "local_seq": "16",
-              "layers": 6, "fit": [1, 2], "iters": 1},
-    "qwen": {**SHAPES["qwen"], "title": "tiny Qwen3-shaped (CPU smoke run)", "flavor": "debug", "local_seq": "16",
-             "overrides": ["n_kv_heads=8", "explicit_head_dim=16", "qk_norm=true", "ffn_dim=160", "vocab_size=640"],
-             "layers": 5, "fit": [1, 2]},
-}
-COMMON = ["--mode", "simulate", "--world", "8", "--sp", "8", "--ac", "full", "--tiled-loss", "--tiled-mlp"]
+from _gpu_perf_common import (  # noqa: E402
+    COMPILES,
+    SHAPES,
+    device_of,
+    dump,
+    first_line,
+    load_env,
+    shapes,
+    simulated_rank_device,
+    tiny_mode,
+)
+
 PROFILE_LAYERS = 2
 
 # The planner check: a 4-layer model of Qwen3-8B's sizes (no q/k norms: the trainer's
@@ -76,94 +61,55 @@ TINY_PLAN_BUDGET_GIB, TINY_PLAN_HEADROOM_GIB, TINY_GRANULARITY = 0.02, 0.0, 128
 PLAN_GUESS, TINY_PLAN_GUESS = (217_088, 221_184), (2_304, 2_432)
 
 
-def tiny_mode(args) -> bool:
-    import torch
-
-    return args.tiny or not torch.cuda.is_available()
-
-
-def shapes(args) -> dict:
-    return TINY_SHAPES if tiny_mode(args) else SHAPES
-
-
-def device_of(args):
-    import torch
-
-    return torch.device("cpu") if tiny_mode(args) else torch.device("cuda", 0)
-
-
-def simulated_rank_device(args):
-    """The device of the shapes' one simulated rank, made current; on the CPU one thread, and
-    denormals flushed (the skipped collectives leave unspecified values behind)."""
-    import torch
-
-    device = device_of(args)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)
-        torch.set_flush_denormal(True)
-    return device
-
-
-def dump(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
-    tmp.replace(path)
-
-
-def append(path: Path, record: dict) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(record, default=str) + "\n")
-
-
-def first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
-
-
 # --------------------------------------------------------------------------- #
-# env: versions, the kernels that run here, auto's choice
+# env: versions, the kernels that run here and what each dispatches to, auto's choice
 # --------------------------------------------------------------------------- #
 
 
 def _kernel_trial(name: str, device, dtype) -> dict:
-    """A small causal GQA forward + backward through ``local_attention(backend=name)``."""
+    """A small causal GQA forward + backward through ``local_attention(backend=name)``, and
+    the attention kernel(s) its forward dispatched to (an op name from the dispatcher)."""
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from ulysses_dtensor.attention import local_attention
+    from ulysses_dtensor.memory.saved_attention import is_attention_kernel, op_name
+
+    class Dispatched(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.kernels: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if is_attention_kernel(func) and op_name(func) not in self.kernels:
+                self.kernels.append(op_name(func))
+            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     q = torch.randn(1, 512, 4, 128, device=device, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, 512, 1, 128, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     t0 = time.perf_counter()
+    seen = Dispatched()
     try:
-        out = local_attention(q, k, v, backend=name)
+        with seen:
+            out = local_attention(q, k, v, backend=name)
         out.float().square().sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         ok = bool(torch.isfinite(out).all() and torch.isfinite(q.grad).all())
-        return {"runs": ok, "seconds": round(time.perf_counter() - t0, 2),
+        dispatch = list(seen.kernels)
+        impl = getattr(torch.nn.attention, "current_flash_attention_impl", None)
+        if impl is not None and impl() and any("flash" in k for k in dispatch):
+            dispatch.append(f"flash implementation {impl()}")  # torch's FA4 route replaces FA2's kernels
+        return {"runs": ok, "seconds": round(time.perf_counter() - t0, 2), "dispatch": dispatch,
                 **({} if ok else {"error": "non-finite output or gradient"})}
     except Exception as e:  # noqa: BLE001 -- any failure means: does not run here
         return {"runs": False, "seconds": round(time.perf_counter() - t0, 2), "error": first_line(e)}
 
 
-def _sdpa_dispatch(device, dtype) -> str | None:
-    """The aten kernel our ``sdpa`` backend dispatches to here (cuDNN, flash, efficient, ...)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from ulysses_dtensor.attention import local_attention
-
-    q = torch.randn(1, 256, 4, 128, device=device, dtype=dtype)
-    k = v = torch.randn(1, 256, 1, 128, device=device, dtype=dtype)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        local_attention(q, k, v, backend="sdpa")
-    names = sorted({e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")})
-    return names[-1] if names else None
-
-
 def piece_env(args) -> int:
+    """Written as it goes: versions first, then each kernel's trial, so that a piece killed
+    half-way leaves what it found. No trial compiles (flex's is left to the shape pieces)."""
     import importlib.metadata
     import platform
 
@@ -173,10 +119,16 @@ def piece_env(args) -> int:
 
     device = device_of(args)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    path = args.out / "env.json"
     info = {"date": time.strftime("%Y-%m-%d"), "tiny": tiny_mode(args), "device_type": device.type,
             "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-            "dtype": str(dtype).replace("torch.", "")}
+            "dtype": str(dtype).replace("torch.", ""), "complete": False}
+    # The caching allocator's settings for this run (gpu_perf.sh sets expandable segments unless the
+    # user set PYTORCH_CUDA_ALLOC_CONF), as the pieces' processes inherit them.
+    info["allocator"] = {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                         "set_by": os.environ.get("GPU_PERF_ALLOC_CONF_BY", "the environment")}
+    dump(path, info)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(device=props.name, capability=f"sm{props.major}{props.minor}",
@@ -196,94 +148,21 @@ def piece_env(args) -> int:
     head_dim = 128 if device.type == "cuda" else 16
     info["backends"] = list(select.BACKENDS)
     info["auto"] = select.resolve_backend("auto", frozenset(), device, dtype, head_dim)
-    info["sdpa_kernel"] = _sdpa_dispatch(device, dtype)
-    info["kernels"] = {name: _kernel_trial(name, device, dtype) for name in select.BACKENDS}
+    info["kernels"] = {}
+    dump(path, info)
+    for name in select.BACKENDS:
+        if name in COMPILES and device.type == "cuda":
+            info["kernels"][name] = {"runs": None, "not_tried": "compiles cold (torch.compile): tried by the "
+                                                               "shape pieces, last"}
+        else:
+            info["kernels"][name] = _kernel_trial(name, device, dtype)
+        dump(path, info)
+    info["sdpa_kernel"] = next(iter(info["kernels"]["sdpa"].get("dispatch") or []), None)
     info["runs_here"] = [n for n in select.BACKENDS if info["kernels"][n]["runs"]]
-    dump(args.out / "env.json", info)
+    info["complete"] = True
+    dump(path, info)
     print(json.dumps({k: info[k] for k in ("device", "torch", "cuda", "cudnn", "auto", "sdpa_kernel", "runs_here")}))
     return 0
-
-
-def load_env(args) -> dict:
-    try:
-        return json.loads((args.out / "env.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-# --------------------------------------------------------------------------- #
-# shape: step time, tokens/s, MFU and peak memory per kernel and AC mode
-# --------------------------------------------------------------------------- #
-
-
-def _bench_argv(shape: dict, device, kernel: str, layers: list[int], *, save_attention: bool) -> list[str]:
-    argv = [*COMMON, "--flavor", shape["flavor"], "--local-seq", shape["local_seq"], "--attn-backend", kernel,
-            "--device", device.type, "--warmup", str(shape["warmup"]), "--iters", str(shape["iters"]),
-            "--layers", *map(str, layers)]
-    for o in shape["overrides"]:
-        argv += ["--override", o]
-    if len(set(layers)) >= 2:
-        argv += ["--extrapolate-layers", str(shape["layers"])]
-    if save_attention:
-        argv.append("--save-attention")
-    if device.type == "cpu":
-        argv += ["--threads", "1"]
-    return argv
-
-
-def piece_shape(args) -> int:
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import bench_train as B
-    from ulysses_dtensor.parallel.mesh import ParallelDims
-
-    deadline = time.monotonic() + args.deadline_s
-    shape = shapes(args)[args.shape]
-    device = simulated_rank_device(args)
-    out = args.out / f"shape_{args.shape}.jsonl"
-    env = load_env(args)
-    runs_here = env.get("runs_here") or ["auto"]
-    auto_is = env.get("auto")
-    # auto first (with the layer fit), then save_attention, then every other kernel that runs here.
-    variants = [("auto", False, shape["fit"]), ("auto", True, shape["fit"][:1])]
-    variants += [(k, False, shape["fit"][:1]) for k in runs_here if k not in ("auto", auto_is)]
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    ok = True
-    try:
-        pmesh = ParallelDims(dp_replicate=1, dp_shard=-1, sp=8, world_size=8).build_mesh(device.type)
-        first_cost = None
-        for kernel, save_attention, layers in variants:
-            tag = {"shape": args.shape, "title": shape["title"], "kernel": kernel, "auto_is": auto_is,
-                   "ac": "save_attention" if save_attention else "full", "full_layers": shape["layers"],
-                   "role": "fit" if len(layers) > 1 else "single", "tiny": tiny_mode(args)}
-            left = deadline - time.monotonic()
-            if first_cost is not None and left < first_cost:
-                append(out, {"kit": tag, "skipped": f"not enough time left in this piece ({left:.0f} s; "
-                                                    f"one kernel at {layers} layer(s): about {first_cost:.0f} s)"})
-                continue
-            t0 = time.monotonic()
-            try:
-                a = B.parse_args(_bench_argv(shape, device, kernel, layers, save_attention=save_attention))
-                good = B.sweep(a, pmesh, device, lambda r: append(out, {"kit": tag, **r}), simulate=True)
-                ok &= good
-            except Exception as e:  # noqa: BLE001 -- one kernel failing must not stop the others
-                append(out, {"kit": tag, "error": first_line(e)})
-                traceback.print_exc()
-                ok = False
-            finally:
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            spent = time.monotonic() - t0
-            if first_cost is None:  # one more kernel at the fit's first layer count, from the fit's cost
-                # (the fixed part of a run -- build, embedding, head, optimizer -- counted as one layer)
-                first_cost = 1.3 * spent * (layers[0] + 1) / (sum(layers) + len(layers))
-            print(f"gpu_perf: {args.shape} {kernel} {tag['ac']} layers {layers}: {spent:.1f} s", file=sys.stderr)
-    finally:
-        dist.destroy_process_group()
-    return 0 if ok else 1
 
 
 # --------------------------------------------------------------------------- #
@@ -298,6 +177,7 @@ def piece_profile(args) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import bench_train as B
+    from _gpu_perf_shape import bench_argv
     from _region_table import format_table, region_table
     from ulysses_dtensor.parallel.mesh import ParallelDims
     from ulysses_dtensor.trainer.step import train_step
@@ -305,7 +185,7 @@ def piece_profile(args) -> int:
     shape = shapes(args)[args.shape]
     device = simulated_rank_device(args)
     layers = args.layers or PROFILE_LAYERS
-    a = B.parse_args(_bench_argv(shape, device, "auto", [layers], save_attention=False))
+    a = B.parse_args(bench_argv(shape, device, "auto", [layers], save_attention=False))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         dims = ParallelDims(dp_replicate=1, dp_shard=-1, sp=8, world_size=8)
@@ -345,33 +225,60 @@ def piece_profile(args) -> int:
 # --------------------------------------------------------------------------- #
 
 
-def plan_config(args):
+def plan_config(tiny: bool):
     from ulysses_dtensor.trainer.config import load_config
 
-    argv = TINY_PLAN_ARGV if tiny_mode(args) else PLAN_ARGV
+    argv = TINY_PLAN_ARGV if tiny else PLAN_ARGV
     return argv, load_config([*argv, "--data.path", ""])
 
 
+def plan_target(env: dict):
+    """The GPU the plan is for, named from env.json (this process sees no GPU: gpu_perf.sh runs
+    the planner with CUDA_VISIBLE_DEVICES empty), and where that name came from."""
+    import torch
+
+    from ulysses_dtensor.attention import Capabilities
+    from ulysses_dtensor.attention.capabilities import cudnn_version_str
+
+    gpu = env.get("capability") or env.get("device")
+    if not gpu or env.get("device_type") != "cuda":
+        return Capabilities.target("H100", torch.__version__), "env.json names no GPU: planned for an H100"
+    packages = tuple(p for p, dist in (("flash_attn", "flash-attn"), ("fa4", "flash-attn-4"))
+                     if dist in (env.get("packages") or {}))
+    target = Capabilities.target(gpu, env.get("torch") or torch.__version__, cuda=env.get("cuda") or "13.0",
+                                 cudnn=cudnn_version_str(env["cudnn"]) if env.get("cudnn") else None,
+                                 packages=packages)
+    return target, f"env.json: {env.get('device')}"
+
+
 def piece_plan(args) -> int:
+    """CPU only: on a GPU run gpu_perf.sh hides the GPU from this process (no CUDA context beside
+    the timed pieces) and the target GPU is named to the planner."""
+    import torch
+
     from ulysses_dtensor.estimate import find_max_seq_len
 
-    tiny = tiny_mode(args)
-    argv, cfg = plan_config(args)
+    tiny = args.tiny  # not tiny_mode(): this process sees no GPU on a GPU run either
+    argv, cfg = plan_config(tiny)
     budget = TINY_PLAN_BUDGET_GIB if tiny else min(args.budget_gib or PLAN_BUDGET_GIB, PLAN_BUDGET_GIB)
     headroom = TINY_PLAN_HEADROOM_GIB if tiny else PLAN_HEADROOM_GIB
+    target, target_from = (None, "the CPU") if tiny else plan_target(load_env(args.out))
     t0 = time.perf_counter()
     search = find_max_seq_len(cfg, 1, budget_gib=budget, headroom_gib=headroom,
                               granularity=TINY_GRANULARITY if tiny else 4096, device="cpu" if tiny else "cuda",
-                              layers="full", guess=TINY_PLAN_GUESS if tiny else PLAN_GUESS,
+                              layers="full", guess=TINY_PLAN_GUESS if tiny else PLAN_GUESS, target=target,
                               log=lambda m: print(m, file=sys.stderr))
     best = search.best
     result = {"config_argv": argv, "world_size": 1, "budget_gib": budget, "headroom_gib": headroom,
-              "device": "cpu" if tiny else "cuda", "max_seq_len": search.max_seq_len,
+              "device": "cpu" if tiny else "cuda", "target": target.describe() if target else "cpu",
+              "target_from": target_from, "max_seq_len": search.max_seq_len,
               "peak_bytes": best.peak_bytes if best else None, "peak_phase": best.peak_phase if best else None,
               "breakdown": best.breakdown if best else None, "notes": best.notes if best else [],
-              "tried": search.plans, "seconds": round(time.perf_counter() - t0, 1)}
+              "tried": search.plans, "seconds": round(time.perf_counter() - t0, 1),
+              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+              "cuda_initialized": torch.cuda.is_initialized()}
     dump(args.out / "plan.json", result)
-    print(json.dumps({k: result[k] for k in ("max_seq_len", "peak_bytes", "seconds")}))
+    print(json.dumps({k: result[k] for k in ("max_seq_len", "peak_bytes", "seconds", "target")}))
     return 0 if best else 1
 
 
@@ -390,7 +297,7 @@ def piece_plan_check(args) -> int:
 
     plan = json.loads((args.out / "plan.json").read_text())
     seq = plan["max_seq_len"]
-    _, cfg = plan_config(args)
+    _, cfg = plan_config(tiny_mode(args))
     cfg.training.seq_len = seq
     device = device_of(args)
     if device.type == "cuda":
@@ -430,7 +337,8 @@ def piece_plan_check(args) -> int:
                 oom = first_line(e)
             measured = torch.cuda.max_memory_allocated(device)
             reserved = torch.cuda.max_memory_reserved(device)
-            method = "torch.cuda.max_memory_allocated over one step (optimizer state created before it)"
+            method = ("torch.cuda.max_memory_allocated over one step (optimizer state created before it); "
+                      "max_memory_reserved beside it")
         else:
             import bench_train as B
 
@@ -443,8 +351,15 @@ def piece_plan_check(args) -> int:
         step_s = time.perf_counter() - t0
     finally:
         dist.destroy_process_group()
+    # What the caching allocator held beyond the tensors at their peak, against the planner's
+    # headroom for it (and for what the CUDA context and libraries take).
+    headroom = int(plan["headroom_gib"] * 2**30)
+    gap = None if reserved is None else reserved - measured
     result = {"seq_len": seq, "planned_bytes": plan["peak_bytes"], "measured_bytes": measured,
               "reserved_bytes": reserved, "ratio": round(measured / plan["peak_bytes"], 4),
+              "reserved_minus_allocated_bytes": gap, "headroom_bytes": headroom,
+              "headroom_covers_gap": None if gap is None else gap <= headroom,
+              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if device.type == "cuda" else None,
               "method": method, "step_s": round(step_s, 2), "attention": attention,
               "plan_seconds": plan["seconds"], "plan_budget_gib": plan["budget_gib"],
               **({"oom": oom, "note": "measured_bytes: the peak before running out of memory"} if oom else {})}
@@ -458,16 +373,15 @@ def piece_plan_check(args) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("piece", choices=["env", "shape", "profile", "plan", "plan_check", "report"])
+    p.add_argument("piece", choices=["env", "parity", "shape", "profile", "plan", "plan_check", "report"])
     p.add_argument("--out", type=Path, required=True, help="the kit's output folder")
     p.add_argument("--shape", choices=list(SHAPES), default="llama")
     p.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (the default without CUDA)")
     p.add_argument("--deadline-s", type=float,
-                   help="shape: start no further kernel that would not finish within this many seconds "
+                   help="shape: start no further variant that would not finish within this many seconds "
                         "(default: the piece's limit that gpu_perf.sh sets, GPU_PERF_PIECE_LIMIT, less 10 s)")
     p.add_argument("--layers", type=int, help=f"profile: layers of the profiled model (default {PROFILE_LAYERS})")
     p.add_argument("--budget-gib", type=float, help=f"plan: device memory (capped at {PLAN_BUDGET_GIB})")
-    p.add_argument("--budget-s", type=float, help="report: the kit's time budget, for the summary")
     a = p.parse_args(argv)
     if a.deadline_s is None:
         a.deadline_s = float(os.environ.get("GPU_PERF_PIECE_LIMIT", 1e9)) - 10
@@ -480,8 +394,16 @@ def main(argv=None) -> int:
     if args.piece == "report":
         from _gpu_perf_report import report
 
-        return report(args.out, budget_s=args.budget_s)
-    return {"env": piece_env, "shape": piece_shape, "profile": piece_profile, "plan": piece_plan,
+        return report(args.out)
+    if args.piece == "shape":
+        from _gpu_perf_shape import piece_shape
+
+        return piece_shape(args)
+    if args.piece == "parity":
+        from _gpu_perf_parity import piece_parity
+
+        return piece_parity(args)
+    return {"env": piece_env, "profile": piece_profile, "plan": piece_plan,
             "plan_check": piece_plan_check}[args.piece](args)
 
 

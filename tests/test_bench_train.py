@@ -19,6 +19,7 @@ step over the median step time.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -68,6 +69,13 @@ def _expected_a2a(cfg: dict, full_ac: bool) -> int:
     return m["n_layers"] * (per_layer + (forward if full_ac else 0))
 
 
+def _check_timed_steps(rec: dict) -> None:
+    """Each timed step's loss share and gradient norm, finite."""
+    ts = rec["timed_steps"]
+    assert len(ts["loss"]) == len(ts["grad_norm"]) == rec["config"]["iters"]
+    assert ts["finite"] is True and all(x > 0 for x in ts["loss"] + ts["grad_norm"])
+
+
 def _check_common(rec: dict, mode: str) -> None:
     for key in ("device", "device_type", "torch", "date", "config", "step_time", "figures",
                 "memory", "all_to_all", "fsdp", "flops_per_token"):
@@ -84,6 +92,7 @@ def _check_common(rec: dict, mode: str) -> None:
         model = Llama(llama_args("debug", n_layers=cfg["model"]["n_layers"]))
     assert rec["flops_per_token"] == model.flops_per_token(cfg["seq"])
     assert rec["peak_flops"] is None and rec["figures"]["mfu"] is None  # CPU: no peak
+    _check_timed_steps(rec)
     mem = rec["memory"]
     assert mem["resident_bytes"] > 0 and mem["step_peak_bytes"] > 0
     assert mem["peak_bytes"] == mem["resident_bytes"] + mem["step_peak_bytes"]
@@ -161,6 +170,13 @@ def test_simulate_mode(records):
     assert [r["config"]["model"]["n_layers"] for r in measured] == [2, 3]
     for rec in measured:
         _check_common(rec, "simulate")
+        # Every collective of the step had its output written (none the table does not know):
+        # the Ulysses all-to-alls (4 forward + 4 backward per layer), FSDP's gathers and reduces.
+        coll = rec["collectives"]
+        assert coll["outputs"] == "defined" and coll["unknown"] == {}
+        steps = rec["config"]["warmup"] + rec["config"]["iters"] + 1  # + the CPU's profiled memory step
+        assert coll["written"]["_c10d_functional::all_to_all_single"] == steps * rec["all_to_all"]["calls"]
+        assert coll["written"]["c10d::_allgather_base_"] > 0 and coll["written"]["c10d::_reduce_scatter_base_"] > 0
         assert rec["world_size"] == 4 and rec["processes"] == 1
         assert rec["config"]["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "sp": 4}
         assert "skipped" in rec["communication"]
@@ -207,3 +223,66 @@ def test_save_attention_flag_needs_full_ac(capsys):
         bench_train.parse_args([*base, "--save-attention"])
     assert "--save-attention needs --ac full" in capsys.readouterr().err
     assert bench_train.parse_args([*base, "--ac", "full", "--save-attention"]).save_attention
+
+
+def test_define_output_copies_gathers_and_scatters():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from _simulated_collectives import define_output
+
+    inp = torch.arange(6.0)
+    out = torch.full((2, 3), float("nan"))
+    define_output(out, inp)  # all-to-all: this rank's own data
+    assert out.flatten().tolist() == inp.tolist()
+    out = torch.full((18,), float("nan"))
+    define_output(out, inp)  # all-gather: the input once per rank
+    assert out.tolist() == inp.tolist() * 3
+    gathered = torch.full((12,), float("nan"))
+    gathered[6:].copy_(inp)
+    define_output(gathered, gathered[6:])  # gathered in place (FSDP2): its input is a block of the output
+    assert gathered.tolist() == inp.tolist() * 2
+    out = torch.full((2,), float("nan"))
+    define_output(out, inp)  # reduce-scatter: the first slice (rank 0 of the group)
+    assert out.tolist() == [0.0, 1.0]
+    with pytest.raises(ValueError, match="neither a copy, a gather nor a scatter"):
+        define_output(torch.empty(4), inp)
+
+
+def test_a_simulated_step_computes_on_defined_collective_outputs():
+    # torch 2.11's fake process group leaves all-to-all, all-gather and reduce-scatter outputs
+    # as allocated; UndefinedCollectives does that here (NaN) on a torch that copies. Without
+    # DefinedCollectives the step's loss and gradient norm turn NaN; with it they are finite.
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_train
+    from _simulated_collectives import UndefinedCollectives
+
+    from ulysses_dtensor.parallel.mesh import ParallelDims
+
+    a = bench_train.parse_args(["--mode", "simulate", "--quick", "--warmup", "1", "--iters", "1", "--ac", "full"])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        pmesh = ParallelDims(dp_replicate=1, dp_shard=-1, sp=4, world_size=4).build_mesh("cpu")
+        args = bench_train.model_args(a, 1)
+        cpu = torch.device("cpu")
+        with UndefinedCollectives():
+            stale = bench_train.measure(a, args, pmesh, cpu, 64, simulate=True, define_collectives=False)
+            defined = bench_train.measure(a, args, pmesh, cpu, 64, simulate=True)
+    finally:
+        dist.destroy_process_group()
+    assert not any(math.isfinite(x) for x in stale["timed_steps"]["loss"] + stale["timed_steps"]["grad_norm"])
+    assert stale["collectives"]["outputs"].startswith("as the fake process group leaves them")
+    assert all(math.isfinite(x) and x > 0 for x in defined["timed_steps"]["loss"] + defined["timed_steps"]["grad_norm"])
+    assert defined["collectives"]["outputs"] == "defined" and defined["collectives"]["unknown"] == {}
+
+
+def test_cpu_clock_times_cpu_seconds_on_the_cpu_only(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_train
+
+    base = ["--mode", "simulate", "--quick"]
+    with pytest.raises(SystemExit):
+        bench_train.parse_args([*base, "--device", "cuda", "--cpu-clock"])
+    assert "--cpu-clock times CPU seconds: it needs --device cpu" in capsys.readouterr().err
+    assert bench_train.parse_args([*base, "--device", "cpu", "--cpu-clock"]).cpu_clock
