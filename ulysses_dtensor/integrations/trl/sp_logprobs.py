@@ -112,6 +112,17 @@ class PackedRows:
         return out.view(self.batch, self.seq - 1, packed.shape[-1])
 
 
+def _reshard(model) -> None:
+    """Free what a forward without backward left gathered: FSDP2 keeps the last block and
+    the head unsharded until a backward that will not come (and an optimizer made in
+    between would hold the gathered tensors instead of the shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class SPLogProbs:
     """Called by TRL as its fused-head model: ``(input_ids, attention_mask, labels,
     fused_lm_head=True[, output_router_logits])`` -> :class:`TokenOutputs`. ``lm``: the
@@ -152,6 +163,8 @@ class SPLogProbs:
         local_values, share = self.lm(local["input_ids"], local["position_ids"], local.get(DOCUMENT_IDS_KWARG),
                                       seq_len=local[SEQ_LEN_KWARG], token_values=values,
                                       router_aux=bool(output_router_logits))
+        if not torch.is_grad_enabled():
+            _reshard(self.lm)
         stacked = torch.stack([local_values[f].float() for f in fields], dim=-1)
         whole = sp_gather_tokens(stacked, self.pmesh.sp, rows.total)
         per_token = rows.unpack(whole, rows.shifted_places(input_ids.device)).unbind(-1)
@@ -177,6 +190,8 @@ class SPLogProbs:
         local, _ = shard_hf_batch(batch, self.pmesh.sp)
         logits = self.lm(local["input_ids"], local["position_ids"], local.get(DOCUMENT_IDS_KWARG),
                          seq_len=local[SEQ_LEN_KWARG])
+        if not torch.is_grad_enabled():
+            _reshard(self.lm)
         whole = sp_gather_tokens(logits, self.pmesh.sp, rows.total)[0]
         out = whole.new_zeros(rows.batch * rows.seq, whole.shape[-1])
         flat = rows.real.reshape(-1).nonzero().squeeze(1)
