@@ -38,48 +38,26 @@ from ulysses_dtensor.integrations.hf.ulysses_trainer.batches import check_same_b
 
 from .policy_copy import named_full_weights, unsharded_policy
 from .rl_mixin import UlyssesRLMixin
-from .rollouts import data_parallel_view, gather_rows, make_rank_views, share, sync_rng, world_view
+from .rollouts import (
+    data_parallel_view,
+    fit_generation_batch,
+    gather_rows,
+    make_rank_views,
+    share,
+    sync_rng,
+    world_view,
+)
 
 try:
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as e:  # pragma: no cover - the trl extra is absent
     raise ImportError("UlyssesGRPOTrainer needs TRL: pip install 'ulysses-dtensor[trl]'") from e
 
-__all__ = ["UlyssesGRPOTrainer", "fit_generation_batch"]
+__all__ = ["UlyssesGRPOTrainer"]
 
 # Model inputs of vision-language models TRL passes to the log-probability call.
 _VISION_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                   "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-
-
-def fit_generation_batch(args, ulysses_args: UlyssesArguments) -> None:
-    """Make ``args`` (a ``GRPOConfig``, whose sizes TRL computed over every process) count
-    data-parallel ranks, or ValueError naming the size that cannot be split."""
-    sp, world = ulysses_args.sp_size, args.world_size
-    if world % sp:
-        return  # the mesh refuses it, with the sizes named
-    dp = world // sp
-    name = type(args).__name__
-    args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
-    if args.generation_batch_size % args.num_generations:
-        raise ValueError(
-            f"{name}.num_generations={args.num_generations} must divide the generation batch, "
-            f"per_device_train_batch_size={args.per_device_train_batch_size} x {dp} data-parallel ranks x "
-            f"steps_per_generation={args.steps_per_generation} = {args.generation_batch_size} (under SP the sp ranks "
-            "of a group share their rows)")
-    rows = args.per_device_train_batch_size * args.steps_per_generation
-    if rows % sp:
-        raise ValueError(
-            f"{name}.per_device_train_batch_size={args.per_device_train_batch_size} x steps_per_generation="
-            f"{args.steps_per_generation} = {rows} rows per data-parallel rank must be divisible by "
-            f"UlyssesArguments.sp_size={sp}: each sp rank of a group generates and scores an equal share of them")
-    if args.do_eval and args.eval_strategy != "no":
-        generations = args.num_generations_eval or args.num_generations
-        if (args.per_device_eval_batch_size * dp) % generations or args.per_device_eval_batch_size % sp:
-            raise ValueError(
-                f"{name}.per_device_eval_batch_size={args.per_device_eval_batch_size} must be divisible by "
-                f"UlyssesArguments.sp_size={sp}, and times the {dp} data-parallel ranks by the evaluation's "
-                f"{generations} generations per prompt")
 
 
 def _join_lists(parts: dict, group) -> defaultdict:
@@ -116,9 +94,14 @@ class UlyssesGRPOTrainer(UlyssesRLMixin, GRPOTrainer):
             if hasattr(func, "to") and hasattr(func, "parameters"):
                 self.reward_funcs[i] = func.to(self.args.device)
         if self.use_vllm:
-            # TRL reads each parameter as it is (a shard here): send the full ones instead.
-            self.vllm_generation._iter_named_params = lambda: named_full_weights(
-                self.model, self._sp_model, dtype=self._generation_dtype(), device=self.args.device)
+            self.send_full_weights(self.vllm_generation)
+
+    def send_full_weights(self, vllm_generation) -> None:
+        """Make TRL's vLLM weight sync (server and colocate) send the policy's full weights,
+        LoRA merged, under the checkpoint's names: TRL reads each parameter as it is, which
+        here is a shard."""
+        vllm_generation._iter_named_params = lambda: named_full_weights(
+            self.model, self._sp_model, dtype=self._generation_dtype(), device=self.args.device)
 
     def check_arguments(self) -> None:
         super().check_arguments()

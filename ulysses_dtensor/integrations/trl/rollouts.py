@@ -16,7 +16,9 @@ streams are the data-parallel ranks; the sp ranks of a group hold the same rows.
   size, its gathers and TRL's ``gather_object`` go over the data-parallel ranks
   (the sp ranks of a group hold the same rows: each counted once);
 * after generation the random state of sp rank 0 is copied to its group
-  (:func:`sync_rng`): TRL's shuffle of the rows must cut every sp rank's batch alike.
+  (:func:`sync_rng`): TRL's shuffle of the rows must cut every sp rank's batch alike;
+* :func:`fit_generation_batch`: ``GRPOConfig``'s batch sizes, which TRL computes over
+  every process, over the data-parallel ranks.
 
 The views switch attributes TRL reads (``accelerator.process_index`` and friends, and
 ``trl.trainer.grpo_trainer.gather_object``) for the duration of a call; they nest.
@@ -31,7 +33,46 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankViews", "data_parallel_view", "gather_rows", "make_rank_views", "share", "sync_rng", "world_view"]
+__all__ = [
+    "RankViews",
+    "data_parallel_view",
+    "fit_generation_batch",
+    "gather_rows",
+    "make_rank_views",
+    "share",
+    "sync_rng",
+    "world_view",
+]
+
+
+def fit_generation_batch(args, ulysses_args) -> None:
+    """Make ``args`` (a ``GRPOConfig``, whose sizes TRL computed over every process) count
+    data-parallel ranks, or ValueError naming the size that cannot be split."""
+    sp, world = ulysses_args.sp_size, args.world_size
+    if world % sp:
+        return  # the mesh refuses it, with the sizes named
+    dp = world // sp
+    name = type(args).__name__
+    args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
+    if args.generation_batch_size % args.num_generations:
+        raise ValueError(
+            f"{name}.num_generations={args.num_generations} must divide the generation batch, "
+            f"per_device_train_batch_size={args.per_device_train_batch_size} x {dp} data-parallel ranks x "
+            f"steps_per_generation={args.steps_per_generation} = {args.generation_batch_size} (under SP the sp ranks "
+            "of a group share their rows)")
+    rows = args.per_device_train_batch_size * args.steps_per_generation
+    if rows % sp:
+        raise ValueError(
+            f"{name}.per_device_train_batch_size={args.per_device_train_batch_size} x steps_per_generation="
+            f"{args.steps_per_generation} = {rows} rows per data-parallel rank must be divisible by "
+            f"UlyssesArguments.sp_size={sp}: each sp rank of a group generates and scores an equal share of them")
+    if args.do_eval and args.eval_strategy != "no":
+        generations = args.num_generations_eval or args.num_generations
+        if (args.per_device_eval_batch_size * dp) % generations or args.per_device_eval_batch_size % sp:
+            raise ValueError(
+                f"{name}.per_device_eval_batch_size={args.per_device_eval_batch_size} must be divisible by "
+                f"UlyssesArguments.sp_size={sp}, and times the {dp} data-parallel ranks by the evaluation's "
+                f"{generations} generations per prompt")
 
 
 class RankViews:
