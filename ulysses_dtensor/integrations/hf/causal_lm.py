@@ -225,15 +225,9 @@ class SPCausalLM:
         the integration's input checks, FSDP's root) of :meth:`forward`. ``seq_len``:
         the unpadded length of the whole sequence when ``shard_hf_batch`` padded it
         (its ``sp_seq_len``), or a (batch,) tensor of each row's length (right-padded
-        rows), so that MoE routers do not count the padding."""
-        if token_values is not None:  # per-token values (policy-gradient losses): no loss, no count
-            kwargs = {} if document_ids is None else {DOCUMENT_IDS_KWARG: document_ids}
-            if seq_len is not None:
-                kwargs[SEQ_LEN_KWARG] = int(seq_len.max()) if isinstance(seq_len, Tensor) else seq_len
-            self._sp_seq_len = seq_len
-            return nn.Module.__call__(self, input_ids=input_ids, position_ids=position_ids, **kwargs,
-                                      **{_TOKEN_VALUES: (token_values, router_aux)})
-        if labels is not None and num_valid_tokens is None:
+        rows), so that MoE routers do not count the padding. ``token_values``: instead
+        ``(token_values(hidden, head), router share or None)`` (see the module doc)."""
+        if labels is not None and num_valid_tokens is None and token_values is None:
             raise ValueError(
                 "labels given without num_valid_tokens: pass the valid-label count of the whole global "
                 "batch (count_valid_tokens(labels, pmesh.loss)) so every rank divides by the same number"
@@ -246,8 +240,11 @@ class SPCausalLM:
             # The memory planner's fake rows: the integration's check that positions do not
             # restart would read values; its default (this rank's global positions) is theirs.
             position_ids = None
-        return nn.Module.__call__(self, input_ids=input_ids, position_ids=position_ids, **kwargs,
-                                  **{_LABELS: labels, _COUNT: num_valid_tokens})
+        if token_values is not None:  # per-token values (policy-gradient losses): no loss, no count
+            kwargs[_TOKEN_VALUES] = (token_values, router_aux)
+        else:
+            kwargs.update({_LABELS: labels, _COUNT: num_valid_tokens})
+        return nn.Module.__call__(self, input_ids=input_ids, position_ids=position_ids, **kwargs)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, **kwargs) -> Tensor:
         """The trainer's forward (transformers' own stays ``transformers_class(model).forward``);
