@@ -24,7 +24,7 @@ GPU, Qwen3-8B, 8 GPUs, rollouts of up to 32K tokens from vLLM (server mode: star
 
     torchrun --nproc_per_node=8 scripts/example_trl_grpo.py --model_dir /models/Qwen3-8B --output_dir /ckpt/grpo \\
         --sp_size 8 --use_vllm --vllm_mode server --max_completion_length 32768 --num_generations 8 \\
-        --per_device_train_batch_size 8 --beta 0.04 --lora_r 16 --activation_offloading --tiled_mlp --loss_chunks 0
+        --per_device_train_batch_size 8 --beta 0.04 --lora_r 16 --offload_activations --tiled_mlp --loss_chunks 0
 """
 
 from collections import Counter

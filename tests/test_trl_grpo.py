@@ -252,3 +252,72 @@ def test_generation_batch_counts_data_parallel_ranks_and_refuses_uneven_shares()
         fit(args(per_device_train_batch_size=2, num_generations=2), UlyssesArguments(sp_size=4))
     with pytest.raises(ValueError, match=r"num_generations=3 must divide the generation batch"):
         fit(args(num_generations=3), UlyssesArguments(sp_size=4))
+
+
+def _construct(rank: int, world: int, model_dir: str, out: str) -> dict:
+    """In one process: the refusals (each message), and a trainer whose unsharded policy
+    copy and vLLM weights are the model's own."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, GRPOConfig
+
+    from ulysses_dtensor.integrations.hf.ulysses_trainer.arguments import UlyssesArguments
+    from ulysses_dtensor.integrations.trl import UlyssesDPOTrainer, UlyssesGRPOTrainer
+    from ulysses_dtensor.integrations.trl.policy_copy import named_full_weights, unsharded_policy
+    from ulysses_dtensor.integrations.trl.rl_mixin import UlyssesRLMixin
+
+    module = load_script(GRPO_SCRIPT)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    prompts = Dataset.from_list(module.prompts(4))
+    messages = {}
+
+    def config(**kw):
+        return GRPOConfig(output_dir=out, use_cpu=True, bf16=False, report_to=[], max_steps=1, num_generations=2,
+                          per_device_train_batch_size=2, gradient_checkpointing=False, **kw)
+
+    def grpo(args, **kw):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return UlyssesGRPOTrainer(model=model, reward_funcs=module.letter_reward("ab"), args=args,
+                                  train_dataset=prompts, processing_class=tokenizer, **kw)
+
+    with script_run():
+        attempts = {
+            "cast_lm_head_to_fp32": lambda: grpo(config(cast_lm_head_to_fp32=True)),
+            "tools": lambda: grpo(config(), tools=[len], ulysses_args=UlyssesArguments(sp_size=2)),
+            "ulysses_args": lambda: UlyssesDPOTrainer(
+                model=AutoModelForCausalLM.from_pretrained(model_dir), ulysses_args={"sp_size": 2},
+                args=DPOConfig(output_dir=out, use_cpu=True, report_to=[]), processing_class=tokenizer,
+                train_dataset=Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}])),
+        }
+        for name, attempt in attempts.items():
+            try:
+                attempt()
+                messages[name] = "not refused"
+            except (ValueError, TypeError) as e:
+                messages[name] = str(e)
+        trainer = grpo(config())
+        assert isinstance(trainer, UlyssesRLMixin)
+        ids = torch.tensor([[5, 9, 33, 2, 71, 8]])
+        plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        copy = unsharded_policy(trainer.model, trainer._sp_model, attn_implementation="sdpa", dtype=torch.float32,
+                                device=torch.device("cpu"))
+        with torch.no_grad():
+            same_logits = torch.allclose(copy(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
+        weights = dict(named_full_weights(trainer.model, trainer._sp_model, dtype=torch.float32,
+                                          device=torch.device("cpu")))
+        want = dict(plain.named_parameters())
+        same_weights = sorted(weights) == sorted(want) and all(torch.equal(weights[n], want[n]) for n in want)
+    return {"messages": messages, "same_logits": same_logits, "same_weights": same_weights}
+
+
+def test_refusals_name_the_argument_and_the_policy_copy_is_the_model(model_dirs, tmp_path):
+    got = run_ranks(1, _construct, str(model_dirs["llama"]), str(tmp_path / "out"))[0]
+    expected = {
+        "cast_lm_head_to_fp32": "GRPOConfig.cast_lm_head_to_fp32=True is not supported by UlyssesGRPOTrainer",
+        "tools": "tools= is not supported by UlyssesGRPOTrainer with sp_size > 1",
+        "ulysses_args": "ulysses_args must be a UlyssesArguments, got dict",
+    }
+    for name, want in expected.items():
+        assert want in got["messages"][name], (name, got["messages"][name])
+    # The copy transformers generates with, and what vLLM is sent: the model's own logits and weights.
+    assert got["same_logits"] and got["same_weights"]

@@ -82,6 +82,11 @@ class UlyssesGRPOTrainer(UlyssesRLMixin, GRPOTrainer):
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         if isinstance(ulysses_args, UlyssesArguments):  # the mixin names a wrong type
+            for name in ("tools", "environment_factory"):
+                if kwargs.get(name) and ulysses_args.sp_size > 1:
+                    raise ValueError(
+                        f"{name}= is not supported by UlyssesGRPOTrainer with sp_size > 1: tool calls run inside "
+                        "generation on each rank's rows, which the sp ranks of a group split among themselves")
             fit_generation_batch(args, ulysses_args)
         super().__init__(model, reward_funcs, args, *rest, ulysses_args=ulysses_args, **kwargs)
         self._finish_setup()
@@ -105,12 +110,6 @@ class UlyssesGRPOTrainer(UlyssesRLMixin, GRPOTrainer):
 
     def check_arguments(self) -> None:
         super().check_arguments()
-        if self.ulysses_args.sp_size > 1:
-            for name, attr in (("tools", "tools"), ("environment_factory", "environment_factories")):
-                if getattr(self, attr, None):
-                    raise ValueError(
-                        f"{name}= is not supported by UlyssesGRPOTrainer with sp_size > 1: tool calls run inside "
-                        "generation on each rank's rows, which the sp ranks of a group split among themselves")
         if getattr(self, "_is_vlm", False):
             raise ValueError("a vision-language processor is not supported by UlyssesGRPOTrainer: the model's text "
                              "path runs on a slice of the sequence, and images would have to be split with it")
