@@ -321,3 +321,72 @@ def test_refusals_name_the_argument_and_the_policy_copy_is_the_model(model_dirs,
         assert want in got["messages"][name], (name, got["messages"][name])
     # The copy transformers generates with, and what vLLM is sent: the model's own logits and weights.
     assert got["same_logits"] and got["same_weights"]
+
+
+# -- the library's GRPO loss is TRL's ------------------------------------------------------------
+
+LIBRARY_CASES = [(t, "token", None) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")]
+LIBRARY_CASES += [("grpo", "sequence", None), ("dapo", "token", 1.5)]
+
+
+def _trl_losses(rank: int, world: int) -> list[dict]:
+    """TRL's own ``GRPOTrainer._compute_loss`` (on a stand-in trainer whose log-probability call
+    returns fixed tensors) and the library's ``grpo_loss`` on the same rollouts, for each case:
+    the losses, their gradients and the logged KL and clip ratios."""
+    from collections import defaultdict
+
+    from trl import GRPOTrainer
+
+    from ulysses_dtensor.parallel.policy_loss import grpo_loss
+
+    g = torch.Generator().manual_seed(5)
+    b, t = 4, 7
+    mask = torch.ones(b, t)
+    mask[0, 5:], mask[2, 3:] = 0, 0
+    old = -torch.rand(b, t, generator=g) * 3
+    ref = old + 0.3 * torch.randn(b, t, generator=g)
+    logps0 = old + 0.4 * torch.randn(b, t, generator=g)  # far enough from old for clipping to bite
+    advantages = torch.randn(b, generator=g)
+    out = []
+    for loss_type, level, delta in LIBRARY_CASES:
+        accel = SimpleNamespace(num_processes=1, reduce=lambda x, reduction: x, gather=lambda x: x)
+        args = SimpleNamespace(use_bias_correction_kl=True, delta=delta, steps_per_generation=1,
+                               sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
+        logps = logps0.clone().requires_grad_(True)
+        fake = SimpleNamespace(
+            _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.ones_like(logps), None),
+            top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=0.1,
+            loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, use_vllm=False, args=args,
+            model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, max_completion_length=9,
+            accelerator=accel, _entropy_bonus_enabled=False, aux_loss_enabled=False,
+            _metrics={"train": defaultdict(list)})
+        inputs = {"prompt_ids": torch.zeros(b, 2, dtype=torch.long), "prompt_mask": torch.ones(b, 2),
+                  "completion_ids": torch.zeros(b, t, dtype=torch.long), "completion_mask": mask,
+                  "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
+                  "num_items_in_batch": mask.sum()}
+        trl_loss = GRPOTrainer._compute_loss(fake, None, inputs)
+        trl_loss.backward()
+        trl_grad, logps.grad = logps.grad.clone(), None
+        ours = grpo_loss(logps, advantages, mask, loss_type=loss_type, old_logps=old, ref_logps=ref, beta=0.1,
+                         epsilon_low=0.2, epsilon_high=0.28, delta=delta, importance_sampling_level=level,
+                         normalizer=mask.sum(), max_completion_length=9)
+        ours.loss.backward()
+        metrics = fake._metrics["train"]
+        clip = (metrics.get("clip_ratio/region_mean") or metrics.get("cispo_clip_ratio") or [None])[0]
+        ours_clip = None if clip is None else float(ours.clip_low + ours.clip_high)
+        out.append({"trl": (float(trl_loss), trl_grad, metrics["kl"][0], clip),
+                    "ours": (float(ours.loss), logps.grad.clone(), float(ours.kl), ours_clip)})
+    return out
+
+
+def test_library_grpo_loss_is_trls_for_every_loss_type():
+    results = run_ranks(1, _trl_losses)[0]
+    for (loss_type, level, delta), r in zip(LIBRARY_CASES, results):
+        (tl, tg, tkl, tclip), (ol, og, okl, oclip) = r["trl"], r["ours"]
+        what = f"{loss_type} ({level}, delta={delta})"
+        assert ol == pytest.approx(tl, rel=1e-6), what
+        torch.testing.assert_close(og, tg, rtol=1e-6, atol=1e-7, msg=what)
+        assert okl == pytest.approx(tkl, rel=1e-6), what
+        if tclip is not None:  # the clip ratio TRL logs (sapo logs none)
+            assert oclip == pytest.approx(tclip, rel=1e-6, abs=1e-9), what
+    assert any(r["trl"][3] for r in results), "no case clipped"

@@ -71,6 +71,8 @@ class UlyssesDPOTrainer(UlyssesRLMixin, DPOTrainer):
     loss_is_scaled_for_ga = False  # TRL's DPO loss is a per-batch mean: the Trainer divides it by the steps
 
     def __init__(self, *args, ulysses_args: UlyssesArguments | None = None, **kwargs):
+        self._router_logits_as_trl_asks(kwargs.get("model", args[0] if args else None),
+                                        kwargs.get("args", args[2] if len(args) > 2 else None))
         with _sharded_hashing():  # the precompute's cache key, over the already sharded policy
             super().__init__(*args, ulysses_args=ulysses_args, **kwargs)
         self._finish_setup()

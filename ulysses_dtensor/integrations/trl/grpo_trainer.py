@@ -88,6 +88,7 @@ class UlyssesGRPOTrainer(UlyssesRLMixin, GRPOTrainer):
                         f"{name}= is not supported by UlyssesGRPOTrainer with sp_size > 1: tool calls run inside "
                         "generation on each rank's rows, which the sp ranks of a group split among themselves")
             fit_generation_batch(args, ulysses_args)
+        self._router_logits_as_trl_asks(model, args)
         super().__init__(model, reward_funcs, args, *rest, ulysses_args=ulysses_args, **kwargs)
         self._finish_setup()
         make_rank_views(self.accelerator)

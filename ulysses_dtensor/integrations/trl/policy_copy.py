@@ -5,7 +5,7 @@ Generation runs a KV cache over a growing sequence, one token at a time: nothing
 the sequence-parallel machinery (a slice per rank, the all-to-alls, per-layer FSDP
 gathers that every rank of the mesh must join the same number of times) fits it. So
 for a rollout the trained model steps aside entirely: every rank gathers the full
-weights once (:func:`unsharded_policy`, one collective over every rank), builds a
+weights once (:func:`unsharded_policy`: gathers every rank joins), builds a
 plain copy of the model with its own attention (``sdpa`` or what it was loaded with)
 and its LoRA adapters, generates its rows with no collective at all, and drops the
 copy. vLLM (TRL's ``use_vllm``) is sent the same weights with the adapters merged

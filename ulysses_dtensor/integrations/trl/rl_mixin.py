@@ -67,13 +67,24 @@ class UlyssesRLMixin(UlyssesTrainerMixin):
         self._generation_attn = getattr(inner.config, "_attn_implementation", None) or "sdpa"
         super().create_accelerator_and_postprocess()
 
+    @staticmethod
+    def _router_logits_as_trl_asks(model, args) -> None:
+        """Before TRL's ``__init__``: TRL adds the MoE router loss whenever the model's config
+        has ``output_router_logits`` (and a coefficient), even False; the model here computes
+        it only when the key is True at its first call, which can come during TRL's
+        ``__init__`` (DPO's precomputed reference): set it as TRL will read it."""
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if config is not None else None
+        if text is None or not hasattr(text, "output_router_logits"):
+            return
+        coef = getattr(args, "router_aux_loss_coef", None)
+        if (getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef) != 0.0:
+            text.output_router_logits = True
+
     def _finish_setup(self) -> None:
         """After TRL's ``__init__``: the reference sharded, TRL's offload context off."""
         # Offloading is the parallelized layers' own (parallelize_options).
         self.maybe_activation_offload_context = contextlib.nullcontext()
-        if getattr(self, "aux_loss_enabled", False):
-            # TRL asks for the router loss whenever the config has the key: so does the model here.
-            self._sp_model.config.get_text_config().output_router_logits = True
         ref = getattr(self, "ref_model", None)
         if ref is not None and not isinstance(ref, SPLogProbs):
             self._ref_raw = ref
