@@ -211,8 +211,9 @@ PRELOAD = [
     "ulysses_dtensor.integrations.hf", "ulysses_dtensor.trainer.loop", "matplotlib.pyplot",
     "torchtitan.train",
     # transformers' Trainer and TRL (with datasets, peft, accelerate): 7 s of CPU per rank
-    # that tests/test_hf_trainer.py's ranks would otherwise each pay.
-    "transformers.trainer", "trl.trainer.sft_trainer",
+    # that tests/test_hf_trainer.py's ranks would otherwise each pay; TRL's GRPO and DPO
+    # trainers (tests/test_trl_grpo.py, tests/test_trl_dpo.py): 1 s more, once.
+    "transformers.trainer", "trl.trainer.sft_trainer", "trl.trainer.grpo_trainer", "trl.trainer.dpo_trainer",
 ]
 
 

@@ -118,6 +118,14 @@ TESTS = {
         "test_batches_that_cannot_run_are_refused_and_right_padding_runs",
     ],
     "test_estimate_kernels.py": ["test_plain_causal_on_hopper_plans_cudnn_and_a_named_backend_is_checked_on_that_gpu"],
+    "test_policy_blocks.py": [  # one process; the 2-rank checks and the docs' loop in the full suite
+        "test_token_stats_are_those_of_log_softmax_and_zero_without_a_target",
+        "test_chunked_token_stats_equal_the_whole_values_and_gradients",
+        "test_packed_rows_keep_each_rows_real_tokens_and_put_values_back",
+        "test_grpo_loss_refuses_what_it_cannot_compute",
+        "test_grpo_planning_is_for_the_transformers_trainer",
+    ],
+    "test_trl_grpo.py": ["test_generation_batch_counts_data_parallel_ranks_and_refuses_uneven_shares"],
     "test_estimate.py": [
         "test_dtensor_shape_propagation_is_not_counted",
         "test_cli_reports_a_bad_config_clearly",

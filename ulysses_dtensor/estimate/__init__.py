@@ -73,7 +73,8 @@ Layout
 ``plan`` (:class:`MemoryPlan`, the labels), ``tracker`` (the tracker subclass,
 the by-kind classifier, the FA2 workspace), ``trace`` (the fake world, tracing
 one step, extrapolation), ``planner`` (:func:`plan_memory`), ``search``
-(:func:`find_max_seq_len`), ``cli`` (:func:`main`; ``__main__`` runs it).
+(:func:`find_max_seq_len`), ``grpo`` (a GRPO step of ``UlyssesGRPOTrainer``:
+``--grpo``), ``cli`` (:func:`main`; ``__main__`` runs it).
 """
 
 from .cli import main

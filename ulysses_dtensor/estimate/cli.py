@@ -67,7 +67,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm", action="store_true",
                    help="re-plan the answer and the next length up with every layer traced")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--grpo", action="store_true",
+                   help="plan a GRPO step of UlyssesGRPOTrainer instead (the reference model's forward, per-token "
+                        "log-probabilities; seq_len = prompt + completion): ulysses_dtensor.estimate.grpo")
+    p.add_argument("--grpo-beta0", action="store_true", help="with --grpo: no reference model (beta = 0)")
+    p.add_argument("--grpo-iterations", type=int, default=1,
+                   help="with --grpo: num_iterations (> 1 adds the old policy's forward at rollout time)")
     return p
+
+
+def _step_kind(ns):
+    """(plan, prepare) of the step planned: a training step, or with --grpo a GRPO step."""
+    if not ns.grpo:
+        return plan_memory, None
+    import functools
+
+    from .grpo import grpo_plan, prepare_grpo
+
+    options = dict(reference=not ns.grpo_beta0, old_policy=ns.grpo_iterations > 1)
+    return functools.partial(grpo_plan, **options), functools.partial(prepare_grpo, **options)
 
 
 def _search_report(res) -> str:
@@ -128,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(rest + (["--config", ns.config] if ns.config else []))
         target = _target(ns)
         foreach = None if ns.foreach is None else ns.foreach == "true"
+        plan_step, prepare = _step_kind(ns)
         if ns.max_seq_len:
             log = None if ns.json else (lambda s: print(s, file=sys.stderr, flush=True))
             if not 0 < ns.precision < 100:
@@ -141,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
                 host_budget_gib=ns.host_budget_gib or None, precision=ns.precision / 100,
                 granularity=ns.granularity, rows=ns.rows or 1, device=ns.device,
                 layers=ns.layers or "auto", foreach=foreach, loops=ns.loops, confirm=ns.confirm, log=log,
-                target=target,
+                target=target, prepare=prepare,
             )
             if ns.json:
                 print(json.dumps(res.to_dict()))
                 return 0
             print(_search_report(res))
             return 0
-        plan = plan_memory(
+        plan = plan_step(
             cfg, ns.world_size, ns.seq_len, rows=ns.rows, device=ns.device,
             layers=ns.layers or "auto", foreach=foreach, loops=ns.loops, target=target,
         )

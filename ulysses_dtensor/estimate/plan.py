@@ -38,7 +38,7 @@ KIND_LABELS = {
     "other": "outside the model (loss sum, clipping, offload copies, ...)",
 }
 _ACTIVATION_CATEGORIES = ("Activation", "Temp")
-PHASES = ("setup", "forward", "backward", "clip", "optimizer", "zero_grad")
+PHASES = ("setup", "reference", "old_policy", "forward", "backward", "clip", "optimizer", "zero_grad")  # GRPO: 2 more
 
 
 @dataclass

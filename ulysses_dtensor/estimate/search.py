@@ -210,6 +210,7 @@ def find_max_seq_len(
     guess: tuple[int, ...] | None = None,
     log=None,
     target=None,
+    prepare=None,
 ) -> SeqLenSearch:
     """Longest ``seq_len`` whose planned step fits the GPU's and the host's memory.
 
@@ -225,8 +226,11 @@ def find_max_seq_len(
     ``target``: the machine whose attention kernels are planned (:func:`plan_memory`).
     ``guess``: lengths (tokens) planned first, e.g. a bracket read off a nearby
     layout's answer. ``max_plans`` bounds the points planned after them (the
-    answer is then the best so far, with the precision it reached).
+    answer is then the best so far, with the precision it reached). ``prepare``: what
+    prepares each step to trace (default: a training step; :func:`~.grpo.prepare_grpo`
+    with its options bound for a GRPO step).
     """
+    prepare = prepare or _prepare
     if not 0 < precision < 1:
         raise ValueError(f"precision={precision} must be a fraction between 0 and 1 (e.g. 0.005 for 0.5 %)")
     if loops not in ("edges", "all"):
@@ -235,7 +239,7 @@ def find_max_seq_len(
         world_size = _default_world_size(cfg)
     t0 = time.perf_counter()
     edges = loops == "edges"
-    first = _prepare(cfg, world_size, None, rows=rows, device=device, foreach=foreach, edges=edges, target=target)
+    first = prepare(cfg, world_size, None, rows=rows, device=device, foreach=foreach, edges=edges, target=target)
     unit = _unit(first.dims, granularity)
     if max_units is None:
         max_units = max(1, (1 << 31) // unit)
@@ -248,7 +252,7 @@ def find_max_seq_len(
 
     def plan(k: int, how: str, check: bool = False) -> _Point:
         if (k, how) not in traced:
-            traced[(k, how)] = (_prepare(cfg, world_size, k * unit, rows=rows, device=device, foreach=foreach,
+            traced[(k, how)] = (prepare(cfg, world_size, k * unit, rows=rows, device=device, foreach=foreach,
                                          edges=edges, target=first.target), {})
         step, traces = traced[(k, how)]
         trace, info, notes = _combine(step, traces, how, check=check)

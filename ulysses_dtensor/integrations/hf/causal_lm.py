@@ -40,6 +40,10 @@ parameter names stay the checkpoint's. transformers' own forward stays
   trainer weights each by ``aux_loss_weight`` (1 / micro-batches): the step's
   aux is the mean over micro-batches. ``pop_router_aux_loss()`` gives this
   rank's share of that mean (for the metric).
+* ``model(ids, ..., token_values=fn, router_aux=...)``: no loss but ``fn(hidden, head)``
+  computed inside the head's call (per-token log-probabilities for policy-gradient
+  and preference losses, :mod:`~ulysses_dtensor.parallel.token_logprobs`), and the
+  router loss share when asked.
 """
 
 from __future__ import annotations
@@ -206,6 +210,7 @@ def causal_lm_shape(config, architecture: str | None = None) -> CausalLMShape:
 
 
 _LABELS, _COUNT = "sp_labels", "sp_num_valid_tokens"  # forward keywords, unknown to transformers' pre-hooks
+_TOKEN_VALUES = "sp_token_values"
 
 
 class SPCausalLM:
@@ -213,15 +218,16 @@ class SPCausalLM:
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None,
                  *, labels: Tensor | None = None, num_valid_tokens: Tensor | int | None = None,
-                 seq_len: int | Tensor | None = None) -> Tensor:
+                 seq_len: int | Tensor | None = None, token_values=None, router_aux: bool = False):
         """Logits ``(B, s_local, vocab)`` of this rank's tokens, or with ``labels``
         (shifted, this rank's slice) its share of the global token-mean loss, as
         :meth:`~ulysses_dtensor.models.llama.Llama.forward`. A module call (hooks:
         the integration's input checks, FSDP's root) of :meth:`forward`. ``seq_len``:
         the unpadded length of the whole sequence when ``shard_hf_batch`` padded it
         (its ``sp_seq_len``), or a (batch,) tensor of each row's length (right-padded
-        rows), so that MoE routers do not count the padding."""
-        if labels is not None and num_valid_tokens is None:
+        rows), so that MoE routers do not count the padding. ``token_values``: instead
+        ``(token_values(hidden, head), router share or None)`` (see the module doc)."""
+        if labels is not None and num_valid_tokens is None and token_values is None:
             raise ValueError(
                 "labels given without num_valid_tokens: pass the valid-label count of the whole global "
                 "batch (count_valid_tokens(labels, pmesh.loss)) so every rank divides by the same number"
@@ -234,12 +240,17 @@ class SPCausalLM:
             # The memory planner's fake rows: the integration's check that positions do not
             # restart would read values; its default (this rank's global positions) is theirs.
             position_ids = None
-        return nn.Module.__call__(self, input_ids=input_ids, position_ids=position_ids, **kwargs,
-                                  **{_LABELS: labels, _COUNT: num_valid_tokens})
+        if token_values is not None:  # per-token values (policy-gradient losses): no loss, no count
+            kwargs[_TOKEN_VALUES] = (token_values, router_aux)
+        else:
+            kwargs.update({_LABELS: labels, _COUNT: num_valid_tokens})
+        return nn.Module.__call__(self, input_ids=input_ids, position_ids=position_ids, **kwargs)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, **kwargs) -> Tensor:
         """The trainer's forward (transformers' own stays ``transformers_class(model).forward``);
         other keywords (from the integration's pre-hook) go to the decoder."""
+        if _TOKEN_VALUES in kwargs:
+            return self._token_values(input_ids, position_ids, *kwargs.pop(_TOKEN_VALUES), **kwargs)
         labels, count = kwargs.pop(_LABELS, None), kwargs.pop(_COUNT, None)
         router = labels is not None and self._router_aux is not None
         if router:
@@ -257,6 +268,22 @@ class SPCausalLM:
             self._router_aux_sum = self._router_aux_sum + share.detach()
             loss = loss + coef * share
         return loss
+
+    def _token_values(self, input_ids: Tensor, position_ids: Tensor | None, fn, router_aux: bool, **kwargs):
+        """``(fn(hidden, head), router share or None)``: ``fn`` runs inside the head's module
+        call (FSDP's gathered weight) with this rank's final hidden states and the head
+        (logit transforms included); with ``router_aux`` the share of the router loss over
+        the whole global batch, unweighted and with its gradient."""
+        router = router_aux and self._router_aux is not None
+        if router:
+            kwargs["output_router_logits"] = True
+        h = self._sp_hidden(input_ids, position_ids, kwargs.pop(DOCUMENT_IDS_KWARG, None), **kwargs)
+        share = None
+        if router:
+            h, router_logits = h
+            _, experts, top_k, mesh = self._router_aux
+            share = router_aux_loss_share(tuple(router_logits), experts, top_k, mesh, self._real_tokens(input_ids))
+        return self.output.token_values(h, fn), share
 
     def _real_tokens(self, input_ids: Tensor) -> Tensor | None:
         """(batch * s_local,) False for this rank's padding tokens (past ``seq_len``, each row's

@@ -199,7 +199,9 @@ class SPOutputHead:
     sp_spec: OutputHeadSpec = OutputHeadSpec()
     sp_loss_chunks: int | None = 1
 
-    def forward(self, hidden: Tensor, labels: Tensor | None = None, num_valid_tokens=None) -> Tensor:
+    def forward(self, hidden: Tensor, labels: Tensor | None = None, num_valid_tokens=None, token_values=None):
+        if token_values is not None:  # fn(hidden, head): per-token values, with the gathered weight
+            return token_values(hidden, lambda h: self.sp_spec.apply(F.linear(h, self.weight, self.bias)))
         if labels is None:
             return super().forward(hidden)
         if hidden.shape[:-1] != labels.shape:
@@ -242,3 +244,7 @@ class OutputHead:
 
     def loss(self, hidden: Tensor, labels: Tensor, num_valid_tokens) -> Tensor:
         return self._head(hidden, labels, num_valid_tokens)
+
+    def token_values(self, hidden: Tensor, fn):
+        """``fn(hidden, head)`` inside the head's module call (``head``: hidden -> transformed logits)."""
+        return self._head(hidden, token_values=fn)
