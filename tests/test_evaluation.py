@@ -276,16 +276,16 @@ def test_report_rows_round_trip_and_redraw_the_plots(tmp_path):
 
 
 def _step_after_eval_worker(rank, world, files, by_hand):
-    from ulysses_dtensor.evaluation import runner
+    from ulysses_dtensor.parallel import fsdp_reset
 
     # The rank processes are pooled: patch for this task only.
-    reset = runner._reset_fsdp
+    reset = fsdp_reset.reset_fsdp
     if by_hand:  # the path torch < 2.12 takes
-        runner._reset_fsdp = runner._reset_fsdp_by_hand
+        fsdp_reset.reset_fsdp = fsdp_reset.reset_fsdp_by_hand
     try:
         return _steps_with_and_without_eval(rank, world, files)
     finally:
-        runner._reset_fsdp = reset
+        fsdp_reset.reset_fsdp = reset
 
 
 def _steps_with_and_without_eval(rank, world, files):

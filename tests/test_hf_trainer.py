@@ -166,13 +166,28 @@ def _stock(trainer_class):
     return lambda *args, ulysses_args=None, **kwargs: trainer_class(*args, **kwargs)
 
 
+def _evaluating_first(trainer_class):
+    """The script's trainer, evaluating before it trains (a baseline evaluation): FSDP2 left
+    gathered by that forward would make the optimizer hold the gathered head and last
+    block, which then never train (seen before prediction_step reset FSDP)."""
+    class EvaluatingFirst(trainer_class):
+        def train(self, *args, **kwargs):
+            self.evaluate()
+            return super().train(*args, **kwargs)
+
+    return EvaluatingFirst
+
+
 def _run_scripts(rank: int, world: int, script: str, runs: list[tuple[list[str], str | None]]) -> list[dict]:
     """Each (argv, stock) of ``runs`` through the script's ``main``; ``stock`` names the library
-    trainer to run instead of ours ("Trainer" / "SFTTrainer")."""
+    trainer to run instead of ours ("Trainer" / "SFTTrainer"), or "evaluate first": ours,
+    evaluating before training."""
     results = []
     for argv, stock in runs:
         module = load_script(script)
-        if stock == "Trainer":
+        if stock == "evaluate first":
+            module.UlyssesTrainer = _evaluating_first(module.UlyssesTrainer)
+        elif stock == "Trainer":
             from transformers import Trainer
 
             module.UlyssesTrainer = _stock(Trainer)
@@ -229,7 +244,8 @@ def _trainer_runs(tmp: Path, dirs: dict, world: int) -> dict:
                 if family == "llama":
                     extra += ["--save_strategy", "steps", "--save_steps", "1"]
             out = tmp / f"t-{family}-{mesh.replace(' ', '')}"
-            runs[(family, mesh)] = (_common(out, dirs[family], GLOBAL_ROWS // dp, *extra), None)
+            variant = "evaluate first" if (family, mesh) == ("llama", "sp 4") else None
+            runs[(family, mesh)] = (_common(out, dirs[family], GLOBAL_ROWS // dp, *extra), variant)
     # Resumed on another mesh (sp 4) from the dp_shard 2 x sp 2 run's checkpoint of step 1.
     ckpt = tmp / "t-llama-dp_shard2xsp2" / "checkpoint-1"
     runs[("llama", "resumed on sp 4")] = (_common(tmp / "t-llama-resumed", dirs["llama"], GLOBAL_ROWS, "--sp_size",

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..parallel.fsdp_reset import reset_fsdp
 from .planner import _assemble, _combine, _layers_to_trace, _prepare, _Step
 from .trace import (
     _fake_world,
@@ -126,14 +127,6 @@ def _token_values(model, sp_mesh, batch: dict, fields: tuple, chunks, vocab: int
                          router_aux=router)
     stacked = torch.stack([local[f].float() for f in fields], dim=-1)
     return sp_gather_tokens(stacked, sp_mesh, None), share
-
-
-def _reshard(model) -> None:
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def _trace_grpo_step(cfg, world_size: int, *, rows: int, micro: int, device: str, foreach: bool, edges: bool,
@@ -242,11 +235,11 @@ def _grpo_step(model, ref, sp_mesh, optimizer, params, batch, micro, reference, 
             if reference:
                 phase("reference")
                 _token_values(ref if ref is not None else model, sp_mesh, piece, ("log_probs",), chunks, vocab, False)
-                _reshard(ref if ref is not None else model)
+                reset_fsdp(ref if ref is not None else model)
             if old_policy:
                 phase("old_policy")
                 _token_values(model, sp_mesh, piece, ("log_probs",), chunks, vocab, False)
-                _reshard(model)
+                reset_fsdp(model)
     for piece in pieces:
         phase("forward")
         whole, share = _token_values(model, sp_mesh, piece, ("log_probs", "entropy"), chunks, vocab, router)

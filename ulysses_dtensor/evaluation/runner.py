@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from ..data import DocumentSource, TokenStream
 from ..memory.tiling import auto_loss_chunks
+from ..parallel import fsdp_reset
 from ..parallel.batch import shard_batch
 from ..parallel.loss import IGNORE_INDEX
 from .position_loss import BucketSums, bucket_edges
@@ -187,7 +188,7 @@ class Evaluator:
                         passes += 1
         finally:
             self.model.train(was_training)
-            _reset_fsdp(self.model)
+            fsdp_reset.reset_fsdp(self.model)  # no backward follows: FSDP2 as a step expects it
 
         packed = torch.cat([*(buckets[L].pack() for L in lengths), answer_stats.reshape(-1)])
         if self.pmesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
@@ -291,54 +292,6 @@ class Evaluator:
                              "samples": len(flat), "accuracy": sum(ok for _, ok, _ in flat) / len(flat),
                              "mean_logprob": sum(lp for _, _, lp in flat) / len(flat)})
         return rows
-
-
-def _reset_fsdp(model: nn.Module) -> None:
-    """Leave FSDP as a training step expects it: parameters resharded, no
-    all-gather result held, and no record of these forward passes.
-
-    The head group keeps its gathered parameters after forward (backward would
-    need them at once), and evaluation has no backward to free them: at 8 GPUs
-    that is the whole vocab x dim table (1 GiB for Llama-3-8B) held until the
-    next step. The recorded forward order would also make the next backward
-    prefetch after these passes. Torch >= 2.12's ``reset_iter_state`` clears
-    all of it; older torch gets :func:`_reset_fsdp_by_hand`.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule) and hasattr(model, "reset_iter_state"):
-        model.reset_iter_state()
-        return
-    _reset_fsdp_by_hand(model)
-
-
-def _reset_fsdp_by_hand(model: nn.Module) -> None:
-    """What torch 2.12's ``reset_iter_state`` does, through FSDP2's private
-    state (torch 2.10-2.11). Seen on torch 2.11 + CUDA before the training
-    states were reset here: the gathered norm + head (32 MiB) stayed allocated."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        comm = state._comm_ctx
-        gathered = getattr(comm, "all_gather_state", None)
-        if gathered is not None:
-            if gathered.event is not None:
-                state._device_handle.current_stream().wait_event(gathered.event)
-            comm.all_gather_state = None  # frees the last all-gather result
-        comm.post_forward_order.clear()
-        state._training_state = TrainingState.IDLE
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:  # torch < 2.12: one group per state
-            groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
-        for group in groups:
-            # A group left in FORWARD with reshard_after_forward=False ignores reshard().
-            group._training_state = TrainingState.IDLE
-            group.reshard()
-            group._post_forward_indices.clear()
 
 
 def spec_from(section, **overrides) -> EvalSpec:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from ulysses_dtensor.parallel.fsdp_reset import reset_fsdp
 from ulysses_dtensor.parallel.loss import IGNORE_INDEX
 from ulysses_dtensor.parallel.sequence_values import own_gradient, sp_gather_tokens
 from ulysses_dtensor.parallel.token_logprobs import chunked_token_stats
@@ -113,17 +114,6 @@ class PackedRows:
         return out.view(self.batch, self.seq - 1, packed.shape[-1])
 
 
-def _reshard(model) -> None:
-    """Free what a forward without backward left gathered: FSDP2 keeps the last block and
-    the head unsharded until a backward that will not come (and an optimizer made in
-    between would hold the gathered tensors instead of the shards)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
 class SPLogProbs:
     """Called by TRL as its fused-head model: ``(input_ids, attention_mask, labels,
     fused_lm_head=True[, output_router_logits])`` -> :class:`TokenOutputs`. ``lm``: the
@@ -165,7 +155,7 @@ class SPLogProbs:
                                       seq_len=local[SEQ_LEN_KWARG], token_values=values,
                                       router_aux=bool(output_router_logits))
         if not torch.is_grad_enabled():
-            _reshard(self.lm)
+            reset_fsdp(self.lm)
         stacked = torch.stack([local_values[f].float() for f in fields], dim=-1)
         whole = sp_gather_tokens(stacked, self.pmesh.sp, rows.total)
         per_token = rows.unpack(whole, rows.shifted_places(input_ids.device)).unbind(-1)
@@ -192,7 +182,7 @@ class SPLogProbs:
         logits = self.lm(local["input_ids"], local["position_ids"], local.get(DOCUMENT_IDS_KWARG),
                          seq_len=local[SEQ_LEN_KWARG])
         if not torch.is_grad_enabled():
-            _reshard(self.lm)
+            reset_fsdp(self.lm)
         whole = sp_gather_tokens(logits, self.pmesh.sp, rows.total)[0]
         out = whole.new_zeros(rows.batch * rows.seq, whole.shape[-1])
         flat = rows.real.reshape(-1).nonzero().squeeze(1)

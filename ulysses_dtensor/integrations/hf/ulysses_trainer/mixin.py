@@ -46,6 +46,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME, Trainer
 
+from ulysses_dtensor.parallel.fsdp_reset import reset_fsdp
 from ulysses_dtensor.parallel.loss import count_valid_tokens, global_loss
 from ulysses_dtensor.parallel.mesh import ParallelDims
 from ulysses_dtensor.runtime.allocator import allocator_banner, apply_allocator_default
@@ -314,6 +315,9 @@ class UlyssesTrainerMixin(NonFiniteSteps):
             if not prediction_loss_only:
                 logits = gather_sequence(self._forward(batch, local), self.pmesh.sp.get_group(), self.pmesh.dims.sp,
                                          self.pmesh.dims.ring, batch["input_ids"].shape[1])
+        # No backward follows: reshard, or an optimizer built next (evaluate() before
+        # train()) would hold the gathered head instead of its shards, and never train it.
+        reset_fsdp(self.model)
         return loss, logits, (inputs.get("labels") if "labels" in batch else None)
 
     # -- saving and resuming -----------------------------------------------------------
