@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..parallel.documents import segment_ids
+from .documents import segment_ids
 from ..runtime.regions import in_region
 from .dense import cudnn_attention, sdpa_attention
 from .flex import flex_attention_backend

@@ -1,4 +1,5 @@
 """Sequence parallelism itself: the mesh, the Ulysses exchange, ring attention
 (USP) with its layout and kernels, tensor parallelism inside a block, the batch
-slicing and the loss that keep results equal to one device, packed documents,
-and the counting and timing of the collectives these add."""
+slicing and the loss that keep results equal to one device, and the counting
+and timing of the collectives these add. (Packed documents' ids live one layer
+down, in :mod:`ulysses_dtensor.attention.documents`.)"""

@@ -63,7 +63,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..attention import FEATURES, LocalAttention, local_attention
 from ..attention.capabilities import Capabilities
-from .documents import cached_for_documents
+from ..attention.documents import cached_for_documents
 from .ring_kernels import PairKernel, kernel_for, pair_backward, pair_forward
 from .ring_layout import (
     Documents,
