@@ -55,7 +55,7 @@ from .documents import (
 from .capabilities import Capabilities
 from .dense import _repeat_kv
 from .kernel_table import Case, Choice, auto_choice, describe_choice
-from .local import LocalAttention, local_attention
+from .local import AttentionCall, LocalAttention, local_attention
 from .select import (
     BACKENDS,
     FEATURES,
@@ -66,6 +66,7 @@ from .select import (
 )
 
 __all__ = [
+    "AttentionCall",
     "BACKENDS",
     "FEATURES",
     "Capabilities",

@@ -25,6 +25,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..runtime.regions import in_region
 from .comm_timing import active_timer, timed_all_to_all
+from .head_chunk_kernels import split_kernel
+from .head_chunks import head_chunked_attention, resolve_head_chunks
 from .mesh import divisors
 
 SEQ_DIM = 1
@@ -178,12 +180,26 @@ class UlyssesAttention(ParallelStyle):
             ``Shard(1)`` DTensor, as in PyTorch's own parallel styles. A flag
             rather than mirroring the input kind keeps the hooks free of
             per-call state, which compiled checkpoint regions cannot replay.
+        head_chunks: run the exchange and the attention kernel over chunks of
+            a rank's heads, forward and backward (:mod:`.head_chunks`): 1 (the
+            default) none, an int a count :func:`~.head_chunks.valid_head_chunks`
+            allows, None a count from each call's shapes
+            (:func:`~.head_chunks.auto_head_chunks`). With chunks the module's
+            ``forward`` is replaced in place (the hooks cannot split a call):
+            its kernel runs split into forward and backward when the module
+            describes its call (``call_spec``), else its own forward is re-run
+            with grad per chunk in backward.
     """
 
-    def __init__(self, *, pack_qkv: bool = False, use_local_output: bool = True):
+    def __init__(self, *, pack_qkv: bool = False, use_local_output: bool = True, head_chunks: int | None = 1):
         super().__init__()
+        if head_chunks is not None and (isinstance(head_chunks, bool) or not isinstance(head_chunks, int)
+                                        or head_chunks < 1):
+            raise ValueError(f"head_chunks={head_chunks!r} must be a positive integer (1: no chunks) or None "
+                             "(a count from the shapes)")
         self.pack_qkv = pack_qkv
         self.use_local_output = use_local_output
+        self.head_chunks = head_chunks
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.ndim != 1:
@@ -194,6 +210,9 @@ class UlyssesAttention(ParallelStyle):
         if device_mesh.size() == 1:
             # Nothing to exchange: leave the module as it is (no copies, no
             # 1-rank collectives).
+            return module
+        if self.head_chunks != 1:
+            module.forward = _ChunkedForward(module, module.forward, device_mesh, self)
             return module
 
         def pre_hook(_mod, args, kwargs):
@@ -218,28 +237,79 @@ class UlyssesAttention(ParallelStyle):
 
     @in_region("ulysses.layout")
     def _to_heads(self, q, k, v, mesh: DeviceMesh) -> list[Tensor]:
-        # Plain tensors are this rank's Shard(1) slices and go straight to the
-        # exchange on local tensors: the same collective as the DTensor path,
-        # without a DTensor wrap and unwrap per tensor (measurable per-layer
-        # CPU overhead in eager mode at short per-rank lengths).
-        sp = mesh.size()
-        q, k, v = (_local_seq_shard(t, mesh, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
-        if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
-            raise ValueError(
-                f"q, k, v must agree on batch and sequence and k, v on heads (head dims may differ); got "
-                f"q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)} (this rank's slices)"
-            )
-        repeat = kv_replication(q.shape[HEAD_DIM], k.shape[HEAD_DIM], sp)
-        if repeat > 1:
-            # Repeat each kv head on the local slice; the repeat's backward sums
-            # the gradients of the copies, so kv grads stay exact.
-            k, v = (t.repeat_interleave(repeat, dim=HEAD_DIM) for t in (k, v))
+        q, k, v = _exchange_inputs(q, k, v, mesh)
         if self.pack_qkv:
             return _seq_to_heads_local([q, k, v], mesh)
         return [_seq_to_heads_local([t], mesh)[0] for t in (q, k, v)]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(pack_qkv={self.pack_qkv}, use_local_output={self.use_local_output})"
+        chunks = "" if self.head_chunks == 1 else f", head_chunks={self.head_chunks}"
+        return f"{type(self).__name__}(pack_qkv={self.pack_qkv}, use_local_output={self.use_local_output}{chunks})"
+
+
+def _exchange_inputs(q, k, v, mesh: DeviceMesh) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's (B, S/P, H, D) slices of q, k, v as the exchange takes them: checked,
+    and kv heads repeated so that each rank receives the kv head its q heads use."""
+    # Plain tensors are this rank's Shard(1) slices and go straight to the
+    # exchange on local tensors: the same collective as the DTensor path,
+    # without a DTensor wrap and unwrap per tensor (measurable per-layer
+    # CPU overhead in eager mode at short per-rank lengths).
+    sp = mesh.size()
+    q, k, v = (_local_seq_shard(t, mesh, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"q, k, v must agree on batch and sequence and k, v on heads (head dims may differ); got "
+            f"q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)} (this rank's slices)"
+        )
+    repeat = kv_replication(q.shape[HEAD_DIM], k.shape[HEAD_DIM], sp)
+    if repeat > 1:
+        # Repeat each kv head on the local slice; the repeat's backward sums
+        # the gradients of the copies, so kv grads stay exact.
+        k, v = (t.repeat_interleave(repeat, dim=HEAD_DIM) for t in (k, v))
+    return q, k, v
+
+
+class _ChunkedForward:
+    """A module's forward under :class:`UlyssesAttention` with head chunks: each call is
+    exchanged and attended chunk by chunk (:func:`~.head_chunks.head_chunked_attention`),
+    or, when the call resolves to one chunk, exchanged whole as the hooks do."""
+
+    def __init__(self, module: nn.Module, inner_forward, mesh: DeviceMesh, style: "UlyssesAttention"):
+        self.inner_forward = inner_forward  # the module's own forward (bound)
+        self.call_spec = getattr(module, "call_spec", None)
+        self.mesh, self.style = mesh, style
+
+    def __call__(self, *args, **kwargs):
+        mesh, style = self.mesh, self.style
+        q, k, v, rest = _split_qkv(args, kwargs)
+        sinks = kwargs.pop("sinks", None)
+        if sinks is not None:  # a wrong one fails before any collective
+            sinks = _heads_of_rank(sinks, "sinks", q.shape[HEAD_DIM], mesh)
+        q, k, v = _exchange_inputs(q, k, v, mesh)
+        size = mesh.size()
+        chunks = resolve_head_chunks(style.head_chunks, q.shape[0], q.shape[1] * size, q.shape[HEAD_DIM] // size,
+                                     k.shape[HEAD_DIM] // size, q.shape[-1], v.shape[-1], q.element_size())
+        if chunks == 1:
+            heads = _seq_to_heads_local([q, k, v], mesh) if style.pack_qkv else [
+                _seq_to_heads_local([t], mesh)[0] for t in (q, k, v)]
+            extra = {} if sinks is None else {"sinks": sinks}
+            out = _heads_to_seq_local(self.inner_forward(*heads, *rest, **kwargs, **extra), mesh)
+        else:
+            def fallback(q_h, k_h, v_h, s):  # the module's own forward, on the kernel layout
+                extra = {} if s is None else {"sinks": s}
+                o = self.inner_forward(q_h.transpose(1, 2), k_h.transpose(1, 2), v_h.transpose(1, 2), *rest,
+                                       **kwargs, **extra)
+                return o.transpose(1, 2)
+
+            spec = None if self.call_spec is None else self.call_spec(*rest, **kwargs)
+
+            def make_kernel(q_h, v_h):
+                return split_kernel(spec, fallback, q_h, v_h, sinks is not None)
+
+            out = head_chunked_attention(q, k, v, sinks, mesh, chunks, make_kernel, pack=style.pack_qkv)
+        if style.use_local_output:
+            return out
+        return DTensor.from_local(out, mesh, [Shard(SEQ_DIM)], run_check=False)
 
 
 def _heads_of_rank(t: Tensor, name: str, heads: int, mesh: DeviceMesh) -> Tensor:
