@@ -54,7 +54,8 @@ __all__ = ["PairSplit", "RecomputeSplit", "RingCall", "RingSplit", "SplitKernel"
 
 
 class SplitKernel:
-    """One attention call split in two. ``keeps_out``: the backward needs the output."""
+    """One attention call split in two. ``keeps_out``: the backward needs the output (given
+    back to it unpadded, ``(B, Hq, S, Dv)``)."""
 
     keeps_out = True
 
@@ -117,7 +118,7 @@ class PairSplit(SplitKernel):
         scale = d**-0.5 if self.scale is None and d != width else self.scale
         mask = self._mask(q)
         dq, dk, dvv = pair_backward(self.kernel, _pad(dout, width), _pad(q, width), _pad(k, width),
-                                    _pad(v, width), out, lse, self._causal(mask), scale, meta, mask)
+                                    _pad(v, width), _pad(out, width), lse, self._causal(mask), scale, meta, mask)
         return dq[..., :d], dk[..., :d], dvv[..., :dv], None
 
 
@@ -186,7 +187,7 @@ class RingSplit(SplitKernel):
         lse, own = saved
         d, dv = q.shape[-1], v.shape[-1]
         width = max(d, dv)
-        dq, dk, dvv = ring_backward(_pad(dout, width), _pad(q, width), own, out, lse, meta)
+        dq, dk, dvv = ring_backward(_pad(dout, width), _pad(q, width), own, _pad(out, width), lse, meta)
         return dq[..., :d], dk[..., :d], dvv[..., :dv], None
 
 

@@ -61,10 +61,14 @@ from .mesh import divisors
 __all__ = [
     "AUTO_MIN_BYTES",
     "Chunk",
+    "after_chunked_backward",
+    "chunked_calls",
     "auto_head_chunks",
+    "check_chunks_for_heads",
     "check_head_chunks",
     "chunk_plan",
     "describe_head_chunks",
+    "recomputes_in_chunks",
     "head_chunked_attention",
     "resolve_head_chunks",
     "valid_head_chunks",
@@ -109,6 +113,28 @@ def check_head_chunks(value, q_heads: int, kv_heads: int, where: str = "head_chu
             f"chunks follow the kv groups; valid: {valid} (1: no chunks), or None for a count from the shapes"
         )
     return value
+
+
+def check_chunks_for_heads(value, heads: int, kv_heads: int, ulysses: int, where: str) -> int | None:
+    """:func:`check_head_chunks` for a model of ``heads`` / ``kv_heads`` (per tp rank) exchanged over
+    ``ulysses`` ranks (kv heads replicated as the exchange does), before anything is applied."""
+    if value is None or ulysses == 1:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{where}: head_chunks={value!r} must be a positive integer (1: no chunks) or None")
+        return value
+    from .ulysses import kv_replication
+
+    exchanged = kv_heads * kv_replication(heads, kv_heads, ulysses)
+    return check_head_chunks(value, heads // ulysses, exchanged // ulysses, f"{where}: head_chunks")
+
+
+def recomputes_in_chunks(head_chunks: int | None, backend: str, patterns) -> bool:
+    """Whether chunks may run a kernel without a split backward (:class:`~.head_chunk_kernels.RecomputeSplit`:
+    soft-capping or sinks, ``flex``, ``flash_attn``, ``cudnn`` with a mask), which torch.compile
+    cannot trace in one graph: the blocks are then compiled with graph breaks allowed."""
+    if head_chunks == 1:
+        return False
+    return bool({"softcap", "sinks"} & set(patterns)) or backend in ("flex", "flash_attn", "cudnn")
 
 
 def chunk_plan(chunks: int, q_heads: int, kv_heads: int) -> tuple[Chunk, ...]:
@@ -238,6 +264,34 @@ def _land(dest: Tensor, x: Tensor, heads: tuple[int, int], per_rank: int, size: 
 
 
 # ---------------------------------------------------------------------------
+# A point in backward that memory switches can wait for
+# ---------------------------------------------------------------------------
+
+# Chunked forwards so far (memory switches ask whether a step ran any), and what to run once
+# when the next chunked backward is done: the peak of a layer's backward is behind it then.
+_CALLS = [0]
+_AFTER_BACKWARD: dict = {}
+
+
+def chunked_calls() -> int:
+    """How many chunked attention forwards ran in this process (a counter to compare)."""
+    return _CALLS[0]
+
+
+def after_chunked_backward(owner, fn) -> None:
+    """Run ``fn()`` once, when the next chunked attention backward ends (one pending
+    call per ``owner``: a later one replaces it). Host offload starts bringing back the
+    previous layer's input there (:mod:`ulysses_dtensor.memory.offload`), past this
+    layer's attention backward, the peak, rather than at the layer's start."""
+    _AFTER_BACKWARD[owner] = fn
+
+
+def _backward_done() -> None:
+    while _AFTER_BACKWARD:
+        _AFTER_BACKWARD.popitem()[1]()
+
+
+# ---------------------------------------------------------------------------
 # The autograd function
 # ---------------------------------------------------------------------------
 
@@ -290,6 +344,7 @@ class _HeadChunked(torch.autograd.Function):
         size = run.size
         b, s, heads, _ = q.shape
         hq, hk, dv = heads // size, k.shape[2] // size, v.shape[-1]
+        _CALLS[0] += 1
         out = q.new_empty(b, s, heads, dv)
         saved, index, metas = [], [], []
         flights = _issue_all(_parts(q, k, v, run.plan[0], hq, hk), run, True)
@@ -307,11 +362,14 @@ class _HeadChunked(torch.autograd.Function):
             with region("attention"):
                 out_h, kept, meta = kernel.forward(q_h, k_h, v_h, None if sinks is None else sinks[ch.q[0]:ch.q[1]])
             _land(out, out_h[..., :dv], ch.q, hq, size, run.group, "forward")
-            saved += [q_h, *((k_h, v_h) if ch.kv_first else ()), *((out_h,) if kernel.keeps_out else ()), *kept]
+            saved += [q_h, *((k_h, v_h) if ch.kv_first else ()), *kept]
             index.append(len(kept))
             metas.append(meta)
             del arrived, q_h, out_h, kept
-        ctx.save_for_backward(*saved, *(() if sinks is None else (sinks,)))
+        # The output is kept in the sequence layout, which the output projection keeps anyway, and
+        # exchanged again chunk by chunk in backward: no second copy of it while backward reaches here.
+        ctx.save_for_backward(*saved, *((out,) if run.kernel.keeps_out else ()),
+                              *(() if sinks is None else (sinks,)))
         ctx.run, ctx.index, ctx.metas = run, index, metas
         ctx.shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, sinks is not None)
         return out
@@ -323,27 +381,28 @@ class _HeadChunked(torch.autograd.Function):
         q_shape, k_shape, v_shape, q_dtype, k_dtype, has_sinks = ctx.shapes
         saved = list(ctx.saved_tensors)
         sinks = saved.pop() if has_sinks else None
+        out = saved.pop() if kernel.keeps_out else None
         size = run.size
         hq, hk = q_shape[2] // size, k_shape[2] // size
         dq = _dq_buffer(dout, q_shape, q_dtype)
         dk = dv = None
         dsinks = None if sinks is None else torch.zeros_like(sinks)
-        flights = _issue_all([_Part(dout, run.plan[0].q, hq)], run, False)
+        def parts(ch: Chunk) -> list[_Part]:  # the output's gradient, and the output if the kernel needs it
+            return [_Part(dout, ch.q, hq)] + ([_Part(out, ch.q, hq)] if out is not None else [])
+
+        flights = [_issue(parts(run.plan[0]), size, run.group, False)]
         pos = 0
         k_h = v_h = acc_k = acc_v = None
         for c, ch in enumerate(run.plan):
-            (dout_h,) = _arrive_all(flights, "backward")
+            dout_h, *out_h = _arrive_all(flights, "backward")
+            out_h = out_h[0] if out_h else None
             if c + 1 < len(run.plan):  # in flight while this chunk's backward runs
-                flights = _issue_all([_Part(dout, run.plan[c + 1].q, hq)], run, False)
+                flights = [_issue(parts(run.plan[c + 1]), size, run.group, False)]
             q_h = saved[pos]
             pos += 1
             if ch.kv_first:
                 k_h, v_h = saved[pos:pos + 2]
                 pos += 2
-            out_h = None
-            if kernel.keeps_out:
-                out_h = saved[pos]
-                pos += 1
             kept = saved[pos:pos + ctx.index[c]]
             pos += ctx.index[c]
             sink_c = None if sinks is None else sinks[ch.q[0]:ch.q[1]]
@@ -366,6 +425,7 @@ class _HeadChunked(torch.autograd.Function):
             if dsinks is not None and gs is not None:
                 dsinks[ch.q[0]:ch.q[1]] = gs
         ctx.run = ctx.metas = None
+        _backward_done()
         return dq, dk, dv, dsinks, None
 
 
