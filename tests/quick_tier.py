@@ -53,6 +53,12 @@ TESTS = {
         "test_bad_input_raises_clear_errors",
     ],
     "test_parallelize.py": ["test_bad_options_are_clear_errors"],
+    "test_head_chunks.py": [
+        "test_chunks_follow_the_kv_groups",
+        "test_bad_chunk_counts_are_refused_by_name",
+        "test_auto_count_from_the_shapes_and_the_banner",
+        "test_split_kernels_equal_the_kernel_under_autograd",
+    ],
     "test_ring.py": ["test_trainer_losses_mesh_independent_with_ring"],
     "test_hf_integration.py": [
         "test_unsupported_models_and_inputs_are_refused_by_name",

@@ -59,8 +59,8 @@ from ..memory.saved_attention import (
 from ..parallel.mesh import ParallelMesh
 from ..parallel.ring import RingAttention
 from ..parallel.tensor_parallel import LLAMA_TP_PLAN, check_tp_heads, tensor_parallelize
-from ..parallel.head_chunks import check_chunks_for_heads, recomputes_in_chunks
-from ..parallel.ulysses import UlyssesAttention, kv_replication
+from ..parallel.head_chunks import recomputes_in_chunks
+from ..parallel.ulysses import UlyssesAttention, check_chunks_for_heads, kv_replication
 from ..runtime.suggest import unknown_name
 
 __all__ = ["AC_MODES", "check_memory_options", "clip_grad_norm_", "needs_rng_replay", "parallelize_llama"]
@@ -161,7 +161,7 @@ def parallelize_llama(
         if tp == 1 and dims.sp > 1:
             kv_replication(args.n_heads, args.n_kv_heads, dims.sp // ring)
         check_chunks_for_heads(head_chunks, args.n_heads // tp, args.n_kv_heads // tp, dims.sp // ring,
-                               "parallelize_llama")
+                               "parallelize_llama: head_chunks")
     elif head_chunks is not None and (isinstance(head_chunks, bool) or not isinstance(head_chunks, int)
                                       or head_chunks < 1):
         raise ValueError(f"head_chunks={head_chunks!r} must be a positive integer (1: no chunks) or None")

@@ -165,7 +165,7 @@ class RingSplit(SplitKernel):
         self.call = call
 
     def _docs(self, q: Tensor):
-        from .ring import ring_documents
+        from .ring_steps import ring_documents
 
         ids = self.call.document_ids
         return None if ids is None else ring_documents(ids.to(q.device), self.call.mesh.size())
@@ -280,7 +280,7 @@ def split_kernel(spec, fallback: Callable, q: Tensor, v: Tensor, sinks: bool) ->
     ``q``, ``v``: a chunk's tensors (their device, dtype and head dims decide)."""
     if isinstance(spec, RingCall):
         if sinks:
-            from .ring import refused_pattern
+            from .ring_steps import refused_pattern
 
             raise ValueError(refused_pattern("sinks", "a tensor per query head"))
         return RingSplit(spec)

@@ -64,10 +64,8 @@ __all__ = [
     "after_chunked_backward",
     "chunked_calls",
     "auto_head_chunks",
-    "check_chunks_for_heads",
     "check_head_chunks",
     "chunk_plan",
-    "describe_head_chunks",
     "recomputes_in_chunks",
     "head_chunked_attention",
     "resolve_head_chunks",
@@ -115,19 +113,6 @@ def check_head_chunks(value, q_heads: int, kv_heads: int, where: str = "head_chu
     return value
 
 
-def check_chunks_for_heads(value, heads: int, kv_heads: int, ulysses: int, where: str) -> int | None:
-    """:func:`check_head_chunks` for a model of ``heads`` / ``kv_heads`` (per tp rank) exchanged over
-    ``ulysses`` ranks (kv heads replicated as the exchange does), before anything is applied."""
-    if value is None or ulysses == 1:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{where}: head_chunks={value!r} must be a positive integer (1: no chunks) or None")
-        return value
-    from .ulysses import kv_replication
-
-    exchanged = kv_heads * kv_replication(heads, kv_heads, ulysses)
-    return check_head_chunks(value, heads // ulysses, exchanged // ulysses, f"{where}: head_chunks")
-
-
 def recomputes_in_chunks(head_chunks: int | None, backend: str, patterns) -> bool:
     """Whether chunks may run a kernel without a split backward (:class:`~.head_chunk_kernels.RecomputeSplit`:
     soft-capping or sinks, ``flex``, ``flash_attn``, ``cudnn`` with a mask), which torch.compile
@@ -163,22 +148,6 @@ def resolve_head_chunks(setting: int | None, batch: int, seq: int, q_heads: int,
     if setting is not None:
         return check_head_chunks(setting, q_heads, kv_heads)
     return auto_head_chunks(batch, seq, q_heads, kv_heads, head_dim, v_head_dim, element_size)
-
-
-def describe_head_chunks(setting: int | None, seq: int, heads: int, kv_heads: int, head_dim: int,
-                         v_head_dim: int, sp: int, element_size: int, batch: int = 1) -> str:
-    """The banner's words: how many chunks run at ``seq`` tokens (``heads`` / ``kv_heads``
-    of the model as they enter the exchange over ``sp`` ranks, kv heads replicated as needed)."""
-    if sp == 1:
-        return "head chunks: none (no exchange, sp 1)"
-    from .ulysses import kv_replication
-
-    hq, hk = heads // sp, kv_heads * kv_replication(heads, kv_heads, sp) // sp
-    n = resolve_head_chunks(setting, batch, seq, hq, hk, head_dim, v_head_dim, element_size)
-    how = "named" if setting is not None else f"auto: 1 below {AUTO_MIN_BYTES >> 30} GiB of exchanged attention tensors"
-    kv = "k/v exchanged once per kv head" if n > hk else "k/v with their chunk"
-    return (f"head chunks: {n} of {hq} query heads per rank at {seq:,} tokens ({how}"
-            + (f"; {kv}" if n > 1 else "") + ")")
 
 
 # ---------------------------------------------------------------------------

@@ -38,19 +38,14 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..attention import FEATURES, LocalAttention, local_attention
-from ..attention.documents import cached_for_documents
+from ..attention import LocalAttention, local_attention
 from .head_chunk_kernels import RingCall
-from .ring_layout import (
-    Documents,
-    layout_indices,
-    layout_position_ids,
-    original_segment_ids,
-    seq_multiple,
-)
+from .ring_layout import layout_indices, layout_position_ids, seq_multiple
 from .ring_steps import (  # noqa: F401 - the steps' helpers, read by tests and the benchmark
     RingState,
     _RingAttentionFn,
+    refused_pattern,
+    ring_documents,
     _calls,
     _dense_mask,
     _send_to_next,
@@ -76,15 +71,6 @@ __all__ = [
 
 # The ring merges blocks by LSE, which only SDPA's kernels return here.
 RING_BACKENDS = ("auto", "sdpa")
-
-
-def ring_documents(document_ids: Tensor, ring: int) -> Documents:
-    """The batch's :class:`Documents` (layout-order ids in), built once per batch:
-    every layer of a step shares it, with its host-side edges and runs."""
-    return cached_for_documents(
-        "ring_documents", document_ids, (ring,),
-        lambda: Documents(original_segment_ids(document_ids, ring), 2 * ring),
-    )
 
 
 def ring_attention(
@@ -194,14 +180,6 @@ class RingAttention(ParallelStyle):
         if device_mesh.size() == 1:
             return module
         return RingLocalAttention(device_mesh, causal=module.causal, scale=module.scale, overlap=self.overlap)
-
-
-def refused_pattern(name: str, value) -> str:
-    """The one message for an attention pattern the ring does not implement."""
-    return (
-        f"ring attention (ring > 1) does not implement {FEATURES[name]} ({name}={value}): its blocks are "
-        f"merged from plain causal kernels; run this model with ring=1 (Ulysses only, sp up to the head count)"
-    )
 
 
 def check_ring_backend(backend: str) -> str:

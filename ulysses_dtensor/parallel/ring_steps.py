@@ -36,10 +36,12 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from ..attention.capabilities import Capabilities
+from ..attention.documents import cached_for_documents
+from ..attention.select import FEATURES
 from .ring_kernels import PairKernel, kernel_for, pair_backward, pair_forward
-from .ring_layout import Documents
+from .ring_layout import Documents, original_segment_ids
 
-__all__ = ["RingState", "ring_backward", "ring_forward"]
+__all__ = ["RingState", "refused_pattern", "ring_backward", "ring_documents", "ring_forward"]
 
 # ---------------------------------------------------------------------------
 # The ring
@@ -312,3 +314,20 @@ class _RingAttentionFn(torch.autograd.Function):
         dq, dk, dv = ring_backward(dout, q, kv, out, lse, ctx.state)
         ctx.state = None
         return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def ring_documents(document_ids: Tensor, ring: int) -> Documents:
+    """The batch's :class:`Documents` (layout-order ids in), built once per batch:
+    every layer of a step shares it, with its host-side edges and runs."""
+    return cached_for_documents(
+        "ring_documents", document_ids, (ring,),
+        lambda: Documents(original_segment_ids(document_ids, ring), 2 * ring),
+    )
+
+
+def refused_pattern(name: str, value) -> str:
+    """The one message for an attention pattern the ring does not implement."""
+    return (
+        f"ring attention (ring > 1) does not implement {FEATURES[name]} ({name}={value}): its blocks are "
+        f"merged from plain causal kernels; run this model with ring=1 (Ulysses only, sp up to the head count)"
+    )

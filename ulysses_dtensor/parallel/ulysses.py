@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..runtime.regions import in_region
 from .comm_timing import active_timer, timed_all_to_all
 from .head_chunk_kernels import split_kernel
-from .head_chunks import head_chunked_attention, resolve_head_chunks
+from .head_chunks import AUTO_MIN_BYTES, check_head_chunks, head_chunked_attention, resolve_head_chunks
 from .mesh import divisors
 
 SEQ_DIM = 1
@@ -356,6 +356,41 @@ def _local_seq_shard(t, mesh: DeviceMesh, name: str) -> Tensor:
             f"tensor, got {getattr(t, 'shape', type(t))}"
         )
     return t
+
+
+# ---------------------------------------------------------------------------
+# Head chunks of a model, before anything is applied
+# ---------------------------------------------------------------------------
+
+
+def check_chunks_for_heads(value, heads: int, kv_heads: int, ulysses: int, key: str = "head_chunks") -> int | None:
+    """:func:`check_head_chunks` for a model of ``heads`` / ``kv_heads`` (per tp rank) exchanged over
+    ``ulysses`` ranks (kv heads replicated as the exchange does), before anything is applied;
+    ``key``: the setting's name in the message."""
+    if value is None or ulysses == 1:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{key}={value!r} must be a positive integer (1: no chunks) or None")
+        return value
+    exchanged = kv_heads * kv_replication(heads, kv_heads, ulysses)
+    return check_head_chunks(value, heads // ulysses, exchanged // ulysses, key)
+
+
+def describe_head_chunks(setting: int | None, seq: int, heads: int, kv_heads: int, head_dim: int,
+                         v_head_dim: int, sp: int, element_size: int, batch: int = 1) -> str:
+    """The banner's words: how many head chunks run at ``seq`` tokens (``heads`` / ``kv_heads``
+    of the model as they enter the exchange over ``sp`` ranks, kv heads replicated as needed)."""
+    if sp == 1:
+        return "head chunks: none (no exchange, sp 1)"
+    hq, hk = heads // sp, kv_heads * kv_replication(heads, kv_heads, sp) // sp
+    n = resolve_head_chunks(setting, batch, seq, hq, hk, head_dim, v_head_dim, element_size)
+    if setting is not None:
+        how = "named"
+    else:
+        working = 2 * batch * seq * element_size * (hq + hk) * (head_dim + v_head_dim)
+        how = (f"auto: a layer's exchanged attention tensors are {working / (1 << 30):.1f} GiB per rank, "
+               f"chunked from {AUTO_MIN_BYTES >> 30} GiB")
+    kv = "; k/v exchanged once per kv head" if n > hk else ""
+    return f"head chunks: {n} ({hq} query heads per rank, {seq:,} tokens; {how}{kv})"
 
 
 def exchange_bytes_per_rank(

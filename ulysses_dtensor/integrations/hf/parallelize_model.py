@@ -44,11 +44,11 @@ from ulysses_dtensor.models.llama_parallelize import (
     needs_rng_replay,
     shard_model,
 )
-from ulysses_dtensor.parallel.head_chunks import check_chunks_for_heads, recomputes_in_chunks
+from ulysses_dtensor.parallel.head_chunks import recomputes_in_chunks
 from ulysses_dtensor.parallel.mesh import ParallelMesh
 from ulysses_dtensor.parallel.ring_layout import layout_position_ids
 from ulysses_dtensor.parallel.tensor_parallel import check_tp_heads, hf_tp_plan, tensor_parallelize
-from ulysses_dtensor.parallel.ulysses import UlyssesAttention, kv_replication
+from ulysses_dtensor.parallel.ulysses import UlyssesAttention, check_chunks_for_heads, kv_replication
 
 from .attention_function import (
     ATTN_IMPLEMENTATION,
@@ -345,7 +345,7 @@ def _check_model(
             kv_replication(heads, kv_heads, sp)
     except ValueError as e:
         raise ValueError(f"{name}: {e}" if tp == 1 else str(e)) from None
-    check_chunks_for_heads(head_chunks, heads // tp, kv_heads // tp, sp, name)
+    check_chunks_for_heads(head_chunks, heads // tp, kv_heads // tp, sp, f"{name}: head_chunks")
 
     block_names = set(getattr(model, "_no_split_modules", None) or ())
     lists = decoder_layers(model)
