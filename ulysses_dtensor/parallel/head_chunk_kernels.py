@@ -85,8 +85,9 @@ class PairSplit(SplitKernel):
     """
 
     def __init__(self, kernel: PairKernel, pattern: Pattern, scale: float | None, seg: Tensor | None,
-                 runs=None):
+                 runs=None, planned=None):
         self.kernel, self.pattern, self.scale, self.seg, self.runs = kernel, pattern, scale, seg, runs
+        self.planned = planned  # the planner's Choice this kernel stands in for, counted per call
 
     def _mask(self, q: Tensor) -> Tensor | None:
         if self.kernel.name not in ("cpu_flash", "efficient"):
@@ -103,6 +104,8 @@ class PairSplit(SplitKernel):
         return self.pattern.window if self.kernel.name == "varlen" else None
 
     def forward(self, q, k, v, sinks):
+        if self.planned is not None:
+            count_planned(self.planned)
         d, dv = q.shape[-1], v.shape[-1]
         width = max(d, dv)
         scale = d**-0.5 if self.scale is None and d != width else self.scale
@@ -224,13 +227,12 @@ def _planned(call: AttentionCall, q: Tensor, v: Tensor, pattern: Pattern, seg, c
     case = Case(q.dtype, q.shape[-1], v.shape[-1], documents=seg is not None, window=pattern.window is not None,
                 softcap=pattern.softcap is not None, sinks=sinks)
     choice = planned_choice(call.backend, case, caps)
-    count_planned(choice)
     cpu = PairKernel("cpu_flash", max(q.shape[-1], v.shape[-1]))
     if choice.memory == "lse":
-        return PairSplit(cpu, Pattern(causal=pattern.causal), call.scale, None)
+        return PairSplit(cpu, Pattern(causal=pattern.causal), call.scale, None, planned=choice)
     if choice.memory == "dense_mask":
-        return PairSplit(cpu, Pattern(pattern.causal, pattern.window), call.scale, seg)
-    return RecomputeSplit(_local_fn(call))
+        return PairSplit(cpu, Pattern(pattern.causal, pattern.window), call.scale, seg, planned=choice)
+    return RecomputeSplit(_local_fn(call))  # local_attention plans (and counts) each of its calls
 
 
 def _for_attention(call: AttentionCall, q: Tensor, v: Tensor, sinks: bool) -> SplitKernel:
