@@ -317,11 +317,13 @@ class _OpLog(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.events = []
+        self.alive = []  # the exchanged tensors, kept so that no id is reused within the log
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func._schema.name
         if name == "_c10d_functional::all_to_all_single":
+            self.alive.append(out)
             self.events.append(("issue", id(out)))
         elif name == "_c10d_functional::wait_tensor":
             self.events.append(("wait", id(args[0])))

@@ -127,7 +127,13 @@ def tile_views(x: Tensor, tiles: list[tuple[int, int]]) -> tuple[Tensor, ...]:
     tiles' gradients once, where a view per tile (``narrow``) would give each tile's
     gradient as a whole-size tensor, added up one by one: two whole-size gradients
     alive at every tile's backward, and a whole-size zero fill per tile."""
-    return x.split([n for _, n in tiles], dim=1)
+    sizes = [n for _, n in tiles]
+    if not _edge_only or len(tiles) <= 2 * _EDGE:
+        return x.split(sizes, dim=1)
+    # Under edge_pieces_only the middle pieces never run: one view stands for them all, so that
+    # the split's backward fills one gradient as large as theirs, in one op whatever their count.
+    parts = x.split(sizes[:_EDGE] + [sum(sizes[_EDGE:-_EDGE])] + sizes[-_EDGE:], dim=1)
+    return (*parts[:_EDGE], *([None] * (len(tiles) - 2 * _EDGE)), *parts[-_EDGE:])
 
 
 def tiled_forward(fn, x: Tensor, num_tiles: int) -> Tensor:

@@ -386,14 +386,16 @@ def _rotate(x: Tensor, c: Tensor, s: Tensor, layout: str) -> Tensor:
 
 # Heads rotated at a time: the float32 temporaries of a rotation are a few times the size of the
 # heads they cover, so a group of 1/8 of the heads keeps them under its input's size (at millions of
-# tokens the whole of q in float32, twice, was the peak of a layer's backward).
+# tokens the whole of q in float32, twice, was the peak of a layer's backward). Below
+# _GROUP_MIN_BYTES of float32 at once the rotation runs whole (fewer kernel launches).
 _HEAD_GROUPS = 8
+_GROUP_MIN_BYTES = 1 << 26
 
 
 def _rotate_by_groups(x: Tensor, c: Tensor, s: Tensor, layout: str) -> Tensor:
     heads = x.shape[2]
     step = max(1, -(-heads // _HEAD_GROUPS))
-    if step >= heads:
+    if step >= heads or x.numel() * 4 < _GROUP_MIN_BYTES:
         return _rotate(x, c, s, layout)
     out = torch.empty_like(x)
     for h in range(0, heads, step):

@@ -212,7 +212,7 @@ class UlyssesAttention(ParallelStyle):
             # 1-rank collectives).
             return module
         if self.head_chunks != 1:
-            module.forward = _ChunkedForward(module, module.forward, device_mesh, self)
+            module.forward = _chunked_forward(module, device_mesh, self)
             return module
 
         def pre_hook(_mod, args, kwargs):
@@ -269,18 +269,15 @@ def _exchange_inputs(q, k, v, mesh: DeviceMesh) -> tuple[Tensor, Tensor, Tensor]
     return q, k, v
 
 
-class _ChunkedForward:
-    """A module's forward under :class:`UlyssesAttention` with head chunks: each call is
+def _chunked_forward(module: nn.Module, mesh: DeviceMesh, style: "UlyssesAttention"):
+    """``module``'s forward under :class:`UlyssesAttention` with head chunks: each call is
     exchanged and attended chunk by chunk (:func:`~.head_chunks.head_chunked_attention`),
-    or, when the call resolves to one chunk, exchanged whole as the hooks do."""
+    or, when the call resolves to one chunk, exchanged whole as the hooks do. The module's
+    own forward is its class's (one function for every layer: compiled blocks share a graph)."""
+    own_forward = type(module).forward
+    call_spec = getattr(type(module), "call_spec", None)
 
-    def __init__(self, module: nn.Module, inner_forward, mesh: DeviceMesh, style: "UlyssesAttention"):
-        self.inner_forward = inner_forward  # the module's own forward (bound)
-        self.call_spec = getattr(module, "call_spec", None)
-        self.mesh, self.style = mesh, style
-
-    def __call__(self, *args, **kwargs):
-        mesh, style = self.mesh, self.style
+    def forward(*args, **kwargs):
         q, k, v, rest = _split_qkv(args, kwargs)
         sinks = kwargs.pop("sinks", None)
         if sinks is not None:  # a wrong one fails before any collective
@@ -293,15 +290,15 @@ class _ChunkedForward:
             heads = _seq_to_heads_local([q, k, v], mesh) if style.pack_qkv else [
                 _seq_to_heads_local([t], mesh)[0] for t in (q, k, v)]
             extra = {} if sinks is None else {"sinks": sinks}
-            out = _heads_to_seq_local(self.inner_forward(*heads, *rest, **kwargs, **extra), mesh)
+            out = _heads_to_seq_local(own_forward(module, *heads, *rest, **kwargs, **extra), mesh)
         else:
             def fallback(q_h, k_h, v_h, s):  # the module's own forward, on the kernel layout
                 extra = {} if s is None else {"sinks": s}
-                o = self.inner_forward(q_h.transpose(1, 2), k_h.transpose(1, 2), v_h.transpose(1, 2), *rest,
-                                       **kwargs, **extra)
+                o = own_forward(module, q_h.transpose(1, 2), k_h.transpose(1, 2), v_h.transpose(1, 2), *rest,
+                                **kwargs, **extra)
                 return o.transpose(1, 2)
 
-            spec = None if self.call_spec is None else self.call_spec(*rest, **kwargs)
+            spec = None if call_spec is None else call_spec(module, *rest, **kwargs)
 
             def make_kernel(q_h, v_h):
                 return split_kernel(spec, fallback, q_h, v_h, sinks is not None)
@@ -310,6 +307,8 @@ class _ChunkedForward:
         if style.use_local_output:
             return out
         return DTensor.from_local(out, mesh, [Shard(SEQ_DIM)], run_check=False)
+
+    return forward
 
 
 def _heads_of_rank(t: Tensor, name: str, heads: int, mesh: DeviceMesh) -> Tensor:
