@@ -152,6 +152,8 @@ TESTS = {
 # Modules no file of the tier imports by name (tests/test_quick_tier.py finds those that
 # are), and the quick test that runs them.
 THROUGH = {
+    # One ring block's steps, forward and backward: what every ring test runs.
+    "ulysses_dtensor.parallel.ring_steps": "test_ring.py::test_trainer_losses_mesh_independent_with_ring",
     "ulysses_dtensor.data.chat": "test_sft_data.py",  # the chat templates
     "ulysses_dtensor.data.order": "test_data.py",  # the epoch order of the stream
     "ulysses_dtensor.data.readers": "test_data_checks.py",  # every file format read and checked
