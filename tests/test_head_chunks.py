@@ -140,6 +140,48 @@ def test_split_kernels_equal_the_kernel_under_autograd():
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m: f"{case}: {m}")
 
 
+def test_cuda_split_kernels_compute_the_cpu_kernels_values(monkeypatch):
+    """The CUDA kernels a chunk runs split (torch's flash, cuDNN, varlen on documents'
+    cu_seqlens), through the stand-ins that check their preconditions and compute with the CPU
+    kernel (tests/cuda_kernel_shims.py): MLA's v padded to the q/k head dim, q/k padded to a
+    multiple of 8, outputs and gradients cropped -- the CPU kernel's values."""
+    import cuda_kernel_shims as shims
+    from test_attention import docs_from_lengths
+
+    from ulysses_dtensor.attention import Capabilities
+    from ulysses_dtensor.attention.documents import cu_seqlens_from_document_ids, segment_ids
+    from ulysses_dtensor.attention.pattern import Pattern
+    from ulysses_dtensor.parallel import ring_kernels as K
+    from ulysses_dtensor.parallel.ring_kernels import PairKernel, kernel_for
+
+    monkeypatch.setattr(K, "_aten", shims.CheckedAten(numeric=True))
+    monkeypatch.setattr(K, "_varlen_ops", lambda: shims.T211)
+    seg = segment_ids(docs_from_lengths([[5, 12, 7], [24]]))
+    runs = cu_seqlens_from_document_ids(seg)
+    h100 = Capabilities.target("H100", "2.11")
+    for d, dv in ((20, 20), (24, 16), (16, 24)):
+        g = torch.Generator().manual_seed(d + dv)
+        q, k, v, dout = (torch.randn(2, h, 24, e, generator=g, dtype=torch.float64)
+                         for h, e in ((4, d), (2, d), (2, dv), (4, dv)))
+        width = max(d, dv)
+        for kernel, documents in ((kernel_for("cuda", torch.bfloat16, width, False), False),
+                                  (kernel_for("cuda", torch.bfloat16, width, False, h100), False),
+                                  (kernel_for("cuda", torch.bfloat16, width, True), True)):
+            pattern, docs = Pattern(causal=True), seg if documents else None
+            split = PairSplit(kernel, pattern, None, docs, runs if kernel.name == "varlen" else None)
+            plain = PairSplit(PairKernel("cpu_flash", width), pattern, None, docs)
+            outs, grads = [], []
+            for kern in (split, plain):
+                out, kept, meta = kern.forward(q, k, v, None)
+                outs.append(out[..., :dv])
+                grads.append(kern.backward(dout, q, k, v, out[..., :dv], kept, meta, None)[:3])
+            where = f"{kernel.name} d={d} dv={dv}"
+            torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-12, msg=lambda m: f"{where}: {m}")
+            for a, b in zip(*grads):
+                assert a.shape == b.shape, where
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"{where}: {m}")
+
+
 # ---------------------------------------------------------------------------
 # Parity on the meshes: one launch of 4 ranks runs every mesh and case
 # ---------------------------------------------------------------------------

@@ -41,13 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention.capabilities import Capabilities
 from ..attention.documents import cached_for_documents, cu_seqlens_from_document_ids, segment_ids
 from ..attention.kernel_table import Case
 from ..attention.local import AttentionCall
 from ..attention.pattern import Pattern, dense_mask
 from ..attention.planning import count_planned, planned_choice, planning_target
-from ..attention.select import resolve_backend
+from ..attention.select import flash_head_dim, resolve_backend
 from .ring_kernels import PairKernel, kernel_for, pair_backward, pair_forward
 
 __all__ = ["PairSplit", "RecomputeSplit", "RingCall", "RingSplit", "SplitKernel", "split_kernel"]
@@ -265,10 +264,11 @@ def _for_attention(call: AttentionCall, q: Tensor, v: Tensor, sinks: bool) -> Sp
         b, s = q.shape[0], q.shape[2]
         kernel = PairKernel("varlen", kernel_for("cuda", q.dtype, max(d, dv), True).head_dim)
         return PairSplit(kernel, pattern, call.scale, seg, _runs(seg, ids, b, s, q.device))
-    if backend == "cudnn" and masked:
-        return RecomputeSplit(_local_fn(call))  # cuDNN's dense-mask path: no split kernel here
-    caps = Capabilities.probe(q.device) if backend == "cudnn" else None
-    kernel = kernel_for("cuda", q.dtype, max(d, dv), False, caps)
+    if backend == "cudnn":
+        if masked:
+            return RecomputeSplit(_local_fn(call))  # cuDNN's dense-mask path: no split kernel here
+        return PairSplit(PairKernel("cudnn", flash_head_dim(max(d, dv))), pattern, call.scale, None)
+    kernel = kernel_for("cuda", q.dtype, max(d, dv), False)  # sdpa: its flash kernel, or the memory-efficient one
     if masked and kernel.name != "efficient":
         kernel = PairKernel("efficient", max(d, dv))  # SDPA with a dense mask: its memory-efficient kernel
     return PairSplit(kernel, pattern, call.scale, seg)
