@@ -340,14 +340,14 @@ class _HeadChunked(torch.autograd.Function):
         ctx.save_for_backward(*saved, *((out,) if run.kernel.keeps_out else ()),
                               *(() if sinks is None else (sinks,)))
         ctx.run, ctx.index, ctx.metas = run, index, metas
-        ctx.shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, sinks is not None)
+        ctx.shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, sinks is not None)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         run, kernel = ctx.run, ctx.run.kernel
-        q_shape, k_shape, v_shape, q_dtype, k_dtype, has_sinks = ctx.shapes
+        q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, has_sinks = ctx.shapes
         saved = list(ctx.saved_tensors)
         sinks = saved.pop() if has_sinks else None
         out = saved.pop() if kernel.keeps_out else None
@@ -356,6 +356,7 @@ class _HeadChunked(torch.autograd.Function):
         dq = _dq_buffer(dout, q_shape, q_dtype)
         dk = dv = None
         dsinks = None if sinks is None else torch.zeros_like(sinks)
+
         def parts(ch: Chunk) -> list[_Part]:  # the output's gradient, and the output if the kernel needs it
             return [_Part(dout, ch.q, hq)] + ([_Part(out, ch.q, hq)] if out is not None else [])
 
@@ -387,7 +388,7 @@ class _HeadChunked(torch.autograd.Function):
             del gk, gv
             if ch.kv_last:
                 if dk is None:
-                    dk, dv = dout.new_empty(k_shape, dtype=k_dtype), dout.new_empty(v_shape, dtype=k_dtype)
+                    dk, dv = dout.new_empty(k_shape, dtype=k_dtype), dout.new_empty(v_shape, dtype=v_dtype)
                 _land(dk, acc_k, ch.kv, hk, size, run.group, "backward")
                 _land(dv, acc_v, ch.kv, hk, size, run.group, "backward")
                 acc_k = acc_v = k_h = v_h = None
