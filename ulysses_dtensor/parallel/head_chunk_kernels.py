@@ -54,9 +54,11 @@ __all__ = ["PairSplit", "RecomputeSplit", "RingCall", "RingSplit", "SplitKernel"
 
 class SplitKernel:
     """One attention call split in two. ``keeps_out``: the backward needs the output (given
-    back to it unpadded, ``(B, Hq, S, Dv)``)."""
+    back to it unpadded, ``(B, Hq, S, Dv)``); ``keeps_kv``: it needs k and v (a kernel that
+    keeps its own copy of them says no, and gets None)."""
 
     keeps_out = True
+    keeps_kv = True
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None):
         """-> (out (B, Hq, S, Dv), tensors the backward needs, anything else it needs)."""
@@ -66,6 +68,16 @@ class SplitKernel:
                  sinks: Tensor | None):
         """-> (dq, dk, dv, dsinks or None)."""
         raise NotImplementedError
+
+    def forward_done(self) -> None:
+        """After the last chunk's forward: drop what only the forward shared between chunks
+        (the kernel lives until the backward, and under activation checkpointing from the
+        first forward on)."""
+
+    def stand_in(self, kept, kv_first: bool) -> list[Tensor]:
+        """Tensors as large as another chunk's ``kept`` (the memory planner's edge trace:
+        :func:`~.head_chunks.edge_chunks_only`); ``kv_first``: that chunk starts a kv group."""
+        return [torch.empty_like(t) for t in kept]
 
 
 def _pad(t: Tensor, width: int) -> Tensor:
@@ -161,10 +173,14 @@ class RingCall:
 class RingSplit(SplitKernel):
     """Ring attention over a chunk's heads (:func:`~.ring_steps.ring_forward` /
     :func:`~.ring_steps.ring_backward`); a value head dim of its own is padded as
-    :class:`PairSplit` pads it."""
+    :class:`PairSplit` pads it. The ring keeps its own packed copy of k and v (the block it
+    passes around again in backward), one per kv head: the chunks of a kv head share it."""
+
+    keeps_kv = False
 
     def __init__(self, call: RingCall):
         self.call = call
+        self._own = (None, None)  # (k of the last call, its packed block)
 
     def _docs(self, q: Tensor):
         from .ring_steps import ring_documents
@@ -176,20 +192,30 @@ class RingSplit(SplitKernel):
         from .ring_steps import ring_forward
 
         c = self.call
-        d, width = q.shape[-1], max(q.shape[-1], v.shape[-1])
+        d, dv, width = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
         scale = d**-0.5 if c.scale is None and d != width else c.scale
+        reuse = self._own[1] if self._own[0] is k else None
         out, lse, own, state = ring_forward(_pad(q, width), _pad(k, width), _pad(v, width), self._docs(q),
                                             c.mesh.get_group(), c.mesh.get_local_rank(), c.mesh.size(),
-                                            c.causal, scale, c.overlap)
-        return out, (lse, own), state
+                                            c.causal, scale, c.overlap, own=reuse)
+        self._own = (k, own)
+        return out, (lse, own), (state, d, dv)
+
+    def forward_done(self) -> None:
+        self._own = (None, None)
+
+    def stand_in(self, kept, kv_first: bool) -> list[Tensor]:
+        lse, own = kept
+        # The packed k/v block is one per kv group: a chunk in the middle of one shares it.
+        return [torch.empty_like(lse), torch.empty_like(own) if kv_first else own]
 
     def backward(self, dout, q, k, v, out, saved, meta, sinks):
         from .ring_steps import ring_backward
 
         lse, own = saved
-        d, dv = q.shape[-1], v.shape[-1]
+        state, d, dv = meta
         width = max(d, dv)
-        dq, dk, dvv = ring_backward(_pad(dout, width), _pad(q, width), own, _pad(out, width), lse, meta)
+        dq, dk, dvv = ring_backward(_pad(dout, width), _pad(q, width), own, _pad(out, width), lse, state)
         return dq[..., :d], dk[..., :d], dvv[..., :dv], None
 
 

@@ -65,6 +65,8 @@ __all__ = [
     "chunked_calls",
     "auto_head_chunks",
     "check_head_chunks",
+    "edge_chunks_only",
+    "edges_only",
     "chunk_plan",
     "recomputes_in_chunks",
     "head_chunked_attention",
@@ -233,6 +235,46 @@ def _land(dest: Tensor, x: Tensor, heads: tuple[int, int], per_rank: int, size: 
 
 
 # ---------------------------------------------------------------------------
+# The memory planner's trace: the first and the last chunk
+# ---------------------------------------------------------------------------
+
+_EDGES_ONLY = [False]
+
+
+@contextlib.contextmanager
+def edge_chunks_only():
+    """For the memory planner's traces (as :func:`~ulysses_dtensor.memory.tiling.edge_pieces_only`
+    for loops over the sequence): only a call's first two and last chunks (and the first of
+    the last one's kv group) run; each chunk in between keeps empty tensors as large as what
+    it would keep for backward, and its backward does nothing. The results are wrong, and
+    the memory is that of every chunk: equal chunks keep equal bytes, every chunk's kept
+    tensors are alive while backward runs the first ones, and the second chunk's backward
+    reaches the level of every chunk in between."""
+    before, _EDGES_ONLY[0] = _EDGES_ONLY[0], True
+    try:
+        yield
+    finally:
+        _EDGES_ONLY[0] = before
+
+
+def edges_only() -> bool:
+    """Whether the planner traces loops at their edges now (:func:`edge_chunks_only`; the ring's
+    steps follow it: :mod:`.ring_steps`)."""
+    return _EDGES_ONLY[0]
+
+
+def _traced(plan: tuple[Chunk, ...]) -> set[int]:
+    """The chunks that run: all of them, or under :func:`edge_chunks_only` the edges."""
+    n = len(plan)
+    if not _EDGES_ONLY[0] or n <= 3:
+        return set(range(n))
+    # The second chunk is the first to hold a kv group's summed gradients with the next chunk's
+    # exchange in flight: the backward peak of every chunk in between.
+    last_group_start = max(c for c in range(n) if plan[c].kv_first)
+    return {0, 1, last_group_start, n - 1}
+
+
+# ---------------------------------------------------------------------------
 # A point in backward that memory switches can wait for
 # ---------------------------------------------------------------------------
 
@@ -315,13 +357,27 @@ class _HeadChunked(torch.autograd.Function):
         hq, hk, dv = heads // size, k.shape[2] // size, v.shape[-1]
         _CALLS[0] += 1
         out = q.new_empty(b, s, heads, dv)
-        saved, index, metas = [], [], []
+        kept_by_chunk, metas = {}, {}  # chunk -> what its backward needs: tensors, the rest
+        runs = sorted(_traced(run.plan))
+        skipped = [c for c in range(len(run.plan)) if c not in runs]
+        # Under the planner's edge trace the chunks in between stand in right after the first,
+        # so that the second runs where every chunk but the last two would: see edge_chunks_only.
+        order = runs[:1] + skipped + runs[1:]
         flights = _issue_all(_parts(q, k, v, run.plan[0], hq, hk), run, True)
         k_h = v_h = None
-        for c, ch in enumerate(run.plan):
+        for i, c in enumerate(order):
+            ch = run.plan[c]
+            if c in skipped:
+                q_0 = kept_by_chunk[0][0]
+                kept_by_chunk[c] = [torch.empty_like(q_0), *((torch.empty_like(k_h), torch.empty_like(v_h))
+                                                             if ch.kv_first and run.kernel.keeps_kv else ()),
+                                    *run.kernel.stand_in(metas[0][1], ch.kv_first)]
+                metas[c] = (None, metas[0][1])
+                continue
             arrived = _arrive_all(flights, "forward")
-            if c + 1 < len(run.plan):  # in flight while this chunk's kernel runs
-                flights = _issue_all(_parts(q, k, v, run.plan[c + 1], hq, hk), run, True)
+            nxt = next((n for n in order[i + 1:] if n not in skipped), None)
+            if nxt is not None:  # in flight while this chunk's kernel runs
+                flights = _issue_all(_parts(q, k, v, run.plan[nxt], hq, hk), run, True)
             q_h = arrived[0]
             if ch.kv_first:
                 k_h, v_h = arrived[1:]
@@ -331,15 +387,18 @@ class _HeadChunked(torch.autograd.Function):
             with region("attention"):
                 out_h, kept, meta = kernel.forward(q_h, k_h, v_h, None if sinks is None else sinks[ch.q[0]:ch.q[1]])
             _land(out, out_h[..., :dv], ch.q, hq, size, run.group, "forward")
-            saved += [q_h, *((k_h, v_h) if ch.kv_first else ()), *kept]
-            index.append(len(kept))
-            metas.append(meta)
+            kept_by_chunk[c] = [q_h, *((k_h, v_h) if ch.kv_first and kernel.keeps_kv else ()), *kept]
+            metas[c] = (meta, list(kept))
             del arrived, q_h, out_h, kept
+        run.kernel.forward_done()
+        saved = [t for c in range(len(run.plan)) for t in kept_by_chunk[c]]
         # The output is kept in the sequence layout, which the output projection keeps anyway, and
         # exchanged again chunk by chunk in backward: no second copy of it while backward reaches here.
         ctx.save_for_backward(*saved, *((out,) if run.kernel.keeps_out else ()),
                               *(() if sinks is None else (sinks,)))
-        ctx.run, ctx.index, ctx.metas = run, index, metas
+        ctx.run = run
+        ctx.index = [len(metas[c][1]) for c in range(len(run.plan))]
+        ctx.metas = [metas[c][0] for c in range(len(run.plan))]
         ctx.shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, sinks is not None)
         return out
 
@@ -360,27 +419,32 @@ class _HeadChunked(torch.autograd.Function):
         def parts(ch: Chunk) -> list[_Part]:  # the output's gradient, and the output if the kernel needs it
             return [_Part(dout, ch.q, hq)] + ([_Part(out, ch.q, hq)] if out is not None else [])
 
+        runs = _traced(run.plan)
+        order = sorted(runs)
         flights = [_issue(parts(run.plan[0]), size, run.group, False)]
         pos = 0
         k_h = v_h = acc_k = acc_v = None
         for c, ch in enumerate(run.plan):
-            dout_h, *out_h = _arrive_all(flights, "backward")
-            out_h = out_h[0] if out_h else None
-            if c + 1 < len(run.plan):  # in flight while this chunk's backward runs
-                flights = [_issue(parts(run.plan[c + 1]), size, run.group, False)]
             q_h = saved[pos]
             pos += 1
-            if ch.kv_first:
+            if ch.kv_first and kernel.keeps_kv:
                 k_h, v_h = saved[pos:pos + 2]
                 pos += 2
             kept = saved[pos:pos + ctx.index[c]]
             pos += ctx.index[c]
+            if c not in runs:  # the planner's edge trace: a chunk in between
+                continue
+            dout_h, *out_h = _arrive_all(flights, "backward")
+            out_h = out_h[0] if out_h else None
+            nxt = next((n for n in order if n > c), None)
+            if nxt is not None:  # in flight while this chunk's backward runs
+                flights = [_issue(parts(run.plan[nxt]), size, run.group, False)]
             sink_c = None if sinks is None else sinks[ch.q[0]:ch.q[1]]
             gq, gk, gv, gs = kernel.backward(dout_h, q_h, k_h, v_h, out_h, kept, ctx.metas[c], sink_c)
             del dout_h, q_h, out_h, kept
             _land(dq, gq, ch.q, hq, size, run.group, "backward")
             del gq
-            if ch.kv_first:
+            if ch.kv_first or acc_k is None:
                 acc_k, acc_v = gk, gv
             else:
                 acc_k.add_(gk)

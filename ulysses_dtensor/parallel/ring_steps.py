@@ -38,6 +38,7 @@ from torch import Tensor
 from ..attention.capabilities import Capabilities
 from ..attention.documents import cached_for_documents
 from ..attention.select import FEATURES
+from .head_chunks import edges_only
 from .ring_kernels import PairKernel, kernel_for, pair_backward, pair_forward
 from .ring_layout import Documents, original_segment_ids
 
@@ -216,22 +217,37 @@ class RingState(NamedTuple):
     overlap: bool
 
 
-def ring_forward(q, k, v, docs, group, rank, size, causal, scale, overlap) -> tuple[Tensor, Tensor, Tensor, RingState]:
+def _steps(size: int) -> list[int]:
+    """The ring's steps: all of them, or while the memory planner traces a step at its edges
+    (:func:`~.head_chunks.edge_chunks_only`) steps 0, 1, 2 and the last. From step 2 on every
+    step but the last holds the same buffers (the block before it until its views are
+    dropped, its own, the next in flight, the merge, the travelling dk/dv accumulator), so
+    the others repeat step 2's memory; the block step 2 receives stands for the last step's."""
+    if not edges_only() or size <= 4:
+        return list(range(size))
+    return [0, 1, 2, size - 1]
+
+
+def ring_forward(q, k, v, docs, group, rank, size, causal, scale, overlap,
+                 own: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, RingState]:
     """One ring block's attention: q (B, H, S, D), k/v (B, Hkv, S, D) in ring layout.
     Returns out, lse (float32), the own k/v block (packed, what the backward passes
-    around again) and the :class:`RingState` the backward needs."""
+    around again) and the :class:`RingState` the backward needs. ``own``: that packed
+    block from an earlier call on the same k and v (head chunks of one kv head), reused."""
     s = q.shape[2]
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     acc = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
     lse_acc = torch.empty(q.shape[:3], dtype=acc_dtype, device=q.device)
-    states = []
+    states = {}  # step -> its kernel calls' states
     kernels = _pair_kernels(q)
     # The block that travels: k and v packed in one buffer (one copy of each).
-    kv = own = k.new_empty(2 * k.numel())
-    k_own, v_own = _split_kv(kv, k.shape)
-    k_own.copy_(k)
-    v_own.copy_(v)
-    for i in range(size):
+    if own is None:
+        own = k.new_empty(2 * k.numel())
+        k_own, v_own = _split_kv(own, k.shape)
+        k_own.copy_(k)
+        v_own.copy_(v)
+    kv = own
+    for i in _steps(size):
         nxt = _next_block(kv, i, group, rank, size, overlap)
         src = (rank - i) % size
         kb, vb = _split_kv(kv, k.shape)
@@ -249,7 +265,7 @@ def ring_forward(q, k, v, docs, group, rank, size, causal, scale, overlap) -> tu
                 _merge(acc[rows, :, qs], lse_acc[rows, :, qs], out_p, lse_p)
             step_states.append(state)
             del out_p, lse_p
-        states.append(step_states)
+        states[i] = step_states
         if nxt is not None:
             kv = _wait(nxt)
     out = acc.to(q.dtype)
@@ -266,7 +282,7 @@ def ring_backward(dout, q, kv, out, lse, st: RingState) -> tuple[Tensor, Tensor,
     kernels = _pair_kernels(q)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dkv = None  # the block's fp32 dk/dv accumulator, passed on with it
-    for i in range(size):
+    for i in _steps(size):
         nxt = _next_block(kv, i, group, rank, size, overlap)
         src = (rank - i) % size
         kb, vb = _split_kv(kv, kv_shape)
@@ -284,7 +300,7 @@ def ring_backward(dout, q, kv, out, lse, st: RingState) -> tuple[Tensor, Tensor,
                 pending.append((rows, ks, dk_p, dv_p))
                 del dq_p
         # The accumulator of the block held now, from the ranks that held it before.
-        acc = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device) if i == 0 else _wait(dkv)
+        acc = torch.zeros(kv.shape, dtype=acc_dtype, device=q.device) if dkv is None else _wait(dkv)
         dk_acc, dv_acc = _split_kv(acc, kv_shape)
         for rows, ks, dk_p, dv_p in pending:
             dk_acc[rows, :, ks] += dk_p
