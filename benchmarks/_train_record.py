@@ -16,7 +16,8 @@ import _common as C
 import torch
 
 from ulysses_dtensor.models.llama import Llama, llama_args
-from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank
+from ulysses_dtensor.parallel.head_chunks import resolve_head_chunks
+from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank, kv_replication
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,10 +59,15 @@ def recomputed_blocks(a, n_layers: int) -> int:
 
 def expected_a2a(a, args, seq: int, sp: int, element_size: int) -> dict:
     n = args.n_layers
+    chunks = 1
+    if sp > 1:  # the head chunks the run resolves to (backward sends the output again with them)
+        kv = args.n_kv_heads * kv_replication(args.n_heads, args.n_kv_heads, sp)
+        chunks = resolve_head_chunks(getattr(a, "head_chunks", None), a.batch, seq, args.n_heads // sp, kv // sp,
+                                     args.head_dim, args.head_dim, element_size)
     fwd = exchange_bytes_per_rank(a.batch, seq, args.n_heads, args.n_kv_heads, args.head_dim, sp,
                                   element_size, backward=False)
     per_layer = exchange_bytes_per_rank(a.batch, seq, args.n_heads, args.n_kv_heads, args.head_dim, sp,
-                                        element_size, backward=True)
+                                        element_size, backward=True, head_chunks=chunks)
     r = recomputed_blocks(a, n)
     expected = n * per_layer + r * fwd
     return {
@@ -69,8 +75,9 @@ def expected_a2a(a, args, seq: int, sp: int, element_size: int) -> dict:
         "per_layer_bytes": per_layer,
         "recomputed_layers": r,
         "ac_factor": round(expected / (n * per_layer), 6) if per_layer else 1.0,
+        "head_chunks": chunks,
         "formula": "n_layers * exchange_bytes_per_rank(batch, seq, heads, kv_heads, head_dim, sp, "
-                   "element_size) + recomputed_layers * (its forward half)",
+                   "element_size, head_chunks=head_chunks) + recomputed_layers * (its forward half)",
     }
 
 

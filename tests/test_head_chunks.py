@@ -411,6 +411,16 @@ def _two_ranks_worker(rank: int, world: int) -> dict:
     with _OpLog() as bwd:
         out.sum().backward()
     result = {"forward": _overlapped(fwd.events, "kernel"), "backward": _overlapped(bwd.events, "kernel_bwd")}
+    # The bytes sent: the exchange's (q, k and v once, the output; their gradients), and the
+    # output again in backward; every all-to-all of a chunk carries its share.
+    from ulysses_dtensor.parallel.comm_stats import CollectiveCounter
+    from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with CollectiveCounter() as counter:
+        inner(q, k, v).sum().backward()
+    sent = sum(r.sent_bytes for r in counter.records)
+    result["bytes"] = (sent, exchange_bytes_per_rank(1, 8 * world, 8, 2, 8, world, 4, head_chunks=4))
     # Compiled: a checkpointed chunked exchange traced into one graph, against eager without chunks.
     ids = torch.tensor([[0] * 5 + [1] * 11, [0] * 8 + [1] * 8])
     g = torch.Generator().manual_seed(3)
@@ -431,4 +441,5 @@ def test_next_chunks_exchange_is_in_flight_while_this_chunks_kernel_runs_and_com
     print(result)
     # 4 chunks: chunks 0-2 each had the next chunk's all-to-all issued before and waited after them.
     assert (result["forward"], result["backward"]) == ((3, 4), (3, 4)), result
+    assert result["bytes"][0] == result["bytes"][1], result
     assert result["compiled_rel"] <= RTOL, result

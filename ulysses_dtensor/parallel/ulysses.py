@@ -403,6 +403,7 @@ def exchange_bytes_per_rank(
     *,
     backward: bool = True,
     v_head_dim: int | None = None,
+    head_chunks: int = 1,
 ) -> int:
     """Bytes one rank sends through all-to-all for one attention layer.
 
@@ -410,7 +411,9 @@ def exchange_bytes_per_rank(
     a ``(batch, seq/sp, h, d)`` shard of which ``(sp-1)/sp`` leaves the
     rank, with ``d = v_head_dim`` (default ``head_dim``) for v and the output;
     backward moves their gradients, the same volume again. Packing q, k, v
-    changes the number of collectives, not the bytes.
+    changes the number of collectives, not the bytes. With ``head_chunks`` > 1
+    backward also sends the output again, chunk by chunk (its kernels take it
+    with its gradient: :mod:`.head_chunks`).
     """
     if sp == 1:
         return 0
@@ -419,4 +422,7 @@ def exchange_bytes_per_rank(
     local_tokens = batch * seq // sp
     elements = local_tokens * (head_dim + dv) * (heads + kv_exchanged)
     sent = elements * element_size * (sp - 1) // sp
-    return 2 * sent if backward else sent
+    if not backward:
+        return sent
+    again = local_tokens * heads * dv * element_size * (sp - 1) // sp if head_chunks > 1 else 0
+    return 2 * sent + again
