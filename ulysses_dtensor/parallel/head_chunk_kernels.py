@@ -66,7 +66,8 @@ class SplitKernel:
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, saved, meta,
                  sinks: Tensor | None):
-        """-> (dq, dk, dv, dsinks or None)."""
+        """-> (dq, dk, dv, dsinks or None). ``saved``: the list of what forward kept, which
+        the kernel may empty to let its tensors go early."""
         raise NotImplementedError
 
     def forward_done(self) -> None:
@@ -212,10 +213,11 @@ class RingSplit(SplitKernel):
     def backward(self, dout, q, k, v, out, saved, meta, sinks):
         from .ring_steps import ring_backward
 
-        lse, own = saved
         state, d, dv = meta
         width = max(d, dv)
-        dq, dk, dvv = ring_backward(_pad(dout, width), _pad(q, width), own, _pad(out, width), lse, state)
+        tensors = [_pad(q, width), saved[1], _pad(out, width), saved[0]]
+        saved.clear()  # the packed block goes once the ring has passed it on, unless another chunk keeps it
+        dq, dk, dvv = ring_backward(_pad(dout, width), tensors, state)
         return dq[..., :d], dk[..., :d], dvv[..., :dv], None
 
 

@@ -425,12 +425,16 @@ class _HeadChunked(torch.autograd.Function):
         pos = 0
         k_h = v_h = acc_k = acc_v = None
         for c, ch in enumerate(run.plan):
-            q_h = saved[pos]
+            # A chunk's tensors leave the list as it runs (under activation checkpointing the list
+            # holds the only reference): what is done with can go.
+            q_h, saved[pos] = saved[pos], None
             pos += 1
             if ch.kv_first and kernel.keeps_kv:
                 k_h, v_h = saved[pos:pos + 2]
+                saved[pos:pos + 2] = [None, None]
                 pos += 2
             kept = saved[pos:pos + ctx.index[c]]
+            saved[pos:pos + ctx.index[c]] = [None] * ctx.index[c]
             pos += ctx.index[c]
             if c not in runs:  # the planner's edge trace: a chunk in between
                 continue

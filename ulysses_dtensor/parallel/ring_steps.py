@@ -273,8 +273,12 @@ def ring_forward(q, k, v, docs, group, rank, size, causal, scale, overlap,
     return out, lse_acc, own, RingState(docs, k.shape, states, group, rank, size, causal, scale, overlap)
 
 
-def ring_backward(dout, q, kv, out, lse, st: RingState) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of one ring block from :func:`ring_forward`'s tensors and state."""
+def ring_backward(dout, tensors: list, st: RingState) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one ring block from :func:`ring_forward`'s tensors ``[q, own k/v block,
+    out, lse]`` and state. The list is emptied: the own block goes as soon as the ring has
+    passed it on (the caller's references to it must go too)."""
+    q, kv, out, lse = tensors
+    tensors.clear()
     group, rank, size, causal, scale, overlap = st.group, st.rank, st.size, st.causal, st.scale, st.overlap
     kv_shape, docs = st.kv_shape, st.docs
     s = q.shape[2]
@@ -326,8 +330,7 @@ class _RingAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, kv, out, lse, ctx.state)
+        dq, dk, dv = ring_backward(dout, list(ctx.saved_tensors), ctx.state)
         ctx.state = None
         return dq, dk, dv, None, None, None, None, None, None, None
 
