@@ -17,7 +17,8 @@ import _common as C
 import torch
 
 from ulysses_dtensor.models.llama import Llama, llama_args
-from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank
+from ulysses_dtensor.parallel.head_chunks import resolve_head_chunks
+from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank, kv_replication
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,10 +60,15 @@ def recomputed_blocks(a, n_layers: int) -> int:
 
 def expected_a2a(a, args, seq: int, sp: int, element_size: int) -> dict:
     n = args.n_layers
+    chunks = 1
+    if sp > 1:  # the head chunks the run resolves to (backward sends the output again with them)
+        kv = args.n_kv_heads * kv_replication(args.n_heads, args.n_kv_heads, sp)
+        chunks = resolve_head_chunks(getattr(a, "head_chunks", None), a.batch, seq, args.n_heads // sp, kv // sp,
+                                     args.head_dim, args.head_dim, element_size)
     fwd = exchange_bytes_per_rank(a.batch, seq, args.n_heads, args.n_kv_heads, args.head_dim, sp,
                                   element_size, backward=False)
     per_layer = exchange_bytes_per_rank(a.batch, seq, args.n_heads, args.n_kv_heads, args.head_dim, sp,
-                                        element_size, backward=True)
+                                        element_size, backward=True, head_chunks=chunks)
     r = recomputed_blocks(a, n)
     expected = n * per_layer + r * fwd
     return {
@@ -70,8 +76,9 @@ def expected_a2a(a, args, seq: int, sp: int, element_size: int) -> dict:
         "per_layer_bytes": per_layer,
         "recomputed_layers": r,
         "ac_factor": round(expected / (n * per_layer), 6) if per_layer else 1.0,
+        "head_chunks": chunks,
         "formula": "n_layers * exchange_bytes_per_rank(batch, seq, heads, kv_heads, head_dim, sp, "
-                   "element_size) + recomputed_layers * (its forward half)",
+                   "element_size, head_chunks=head_chunks) + recomputed_layers * (its forward half)",
     }
 
 
@@ -150,6 +157,7 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
             "tiled_mlp": a.tiled_mlp, "mlp_tiles": a.mlp_tiles, "tiled_loss": a.tiled_loss,
             "loss_chunks": a.loss_chunks, "offload_activations": a.offload_activations,
             "save_attention": a.save_attention,
+            "head_chunks": getattr(a, "head_chunks", None) or "auto",
             "offload_params": a.offload_params,
             "optimizer": "AdamW", "max_norm": a.max_norm, "warmup": a.warmup, "iters": a.iters,
             "clock": "process CPU seconds" if getattr(a, "cpu_clock", False) else "wall seconds",

@@ -158,6 +158,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-attention", action="store_true",
                    help="with --ac full: keep the attention kernel's output and log-sum-exp instead of "
                         "recomputing them (parallelize_llama(save_attention=True))")
+    p.add_argument("--head-chunks", type=int, metavar="N",
+                   help="the exchange and attention over N chunks of a rank's heads (1: none; default: the "
+                        "count from the shapes, parallelize_llama(head_chunks=None))")
     p.add_argument("--offload-params", action="store_true",
                    help="parameter shards, gradients and AdamW state in host memory (FSDP2 CPU offload)")
     p.add_argument("--attn-backend", help="LlamaArgs.attn_backend (default: auto = sdpa on CPU, "
@@ -240,6 +243,7 @@ def build(a, args, pmesh, device: torch.device):
         offload_activations=a.offload_activations,
         offload_params=a.offload_params,
         save_attention=a.save_attention,
+        head_chunks=a.head_chunks,
     )
     model.to_empty(device="cpu" if a.offload_params else device)
     model.init_weights(seed=a.seed)

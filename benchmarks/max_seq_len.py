@@ -121,7 +121,7 @@ def label(features: str, lora: int = 0) -> str:
 
 
 def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0, mlp_tiles: int = 0,
-                tp: int = 1, lora: int = 0):
+                tp: int = 1, lora: int = 0, head_chunks: int = 0):
     sp, dp_shard, ring = layout(flavor, gpus, ulysses, tp)
     if flavor in HF_MODELS:
         model = ["--model.hf_path", str(HF_CONFIGS / flavor), "--model.implementation", "transformers"]
@@ -146,6 +146,8 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulys
         argv += ["--memory.loss_chunks", "4"] if feats.get("tiled_loss") else []
     if mlp_tiles and feats.get("tiled_mlp"):
         argv += ["--memory.mlp_tiles", str(mlp_tiles)]
+    if head_chunks:  # 0: the trainer's automatic count, which the planner traces
+        argv += ["--memory.head_chunks", str(head_chunks)]
     for key, value in feats.items():
         argv += [f"--memory.{key}", "true" if value is True else str(value)]
     if lora:  # adapters on every projection, the base frozen in bf16 (needs an HF config: model.hf_path)
@@ -172,7 +174,7 @@ def stamp() -> dict:
 
 def run_one(flavor, gpus, features, ns, log) -> dict:
     cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp,
-                                          ns.lora)
+                                          ns.lora, ns.head_chunks)
     features = label(features, ns.lora)
     usp = f" = ring {ring} x ulysses {sp // ring}" if ring > 1 else ""
     tp = f" x tp {ns.tp}" if ns.tp > 1 else ""
@@ -200,6 +202,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
         "tp": ns.tp,
         "features": features,
         "mlp_tiles": ns.mlp_tiles or "auto",
+        "head_chunks": ns.head_chunks or "auto",
         "budget_gib": ns.budget_gib,
         "headroom_gib": ns.headroom_gib,
         "host_budget_gib": res.host_budget_gib,
@@ -236,7 +239,8 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
 
 def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
     """Extrapolated (4/5/6-layer traces) vs full trace at one length."""
-    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp, ns.lora)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp, ns.lora,
+                                       ns.head_chunks)
     unit = (ns.granularity or 1024) * sp
     seq_len = max(unit, seq_len // unit * unit)
     full = plan_memory(cfg, gpus, seq_len, rows=1, layers="full", loops=ns.loops)
@@ -258,7 +262,8 @@ def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
 def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
     """Planned peak at fixed lengths (for the memory-vs-length plot)."""
     out = []
-    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp, ns.lora)
+    cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp, ns.lora,
+                                       ns.head_chunks)
     features = label(features, ns.lora)
     for seq_len in lengths:
         unit = (ns.granularity or 1024) * sp
@@ -408,6 +413,9 @@ def main(argv=None) -> int:
                         "(tiles about dim^2/ffn tokens long, hundreds per layer at long context, each traced): "
                         "larger tiles can only add to the peak, so the planned length is a lower bound of the "
                         "automatic one, and a config with memory.mlp_tiles = N trains exactly what was planned")
+    p.add_argument("--head-chunks", type=int, default=0, metavar="N",
+                   help="plan with N head chunks (memory.head_chunks; 1: none) instead of the trainer's automatic "
+                        "count (0, the default: one query head per chunk at long context)")
     p.add_argument("--confirm", nargs="*", metavar="FEATURES", default=None,
                    help="re-plan the boundary with every layer traced, for these feature sets (none given: all)")
     p.add_argument("--no-confirm", nargs="*", metavar="FEATURES", default=None,

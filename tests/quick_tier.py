@@ -54,6 +54,13 @@ TESTS = {
         "test_bad_input_raises_clear_errors",
     ],
     "test_parallelize.py": ["test_bad_options_are_clear_errors"],
+    "test_head_chunks.py": [
+        "test_chunks_follow_the_kv_groups",
+        "test_bad_chunk_counts_are_refused_by_name",
+        "test_auto_count_from_the_shapes_and_the_banner",
+        "test_split_kernels_equal_the_kernel_under_autograd",
+        "test_cuda_split_kernels_compute_the_cpu_kernels_values",
+    ],
     "test_ring.py": ["test_trainer_losses_mesh_independent_with_ring"],
     "test_hf_integration.py": [
         "test_unsupported_models_and_inputs_are_refused_by_name",
@@ -162,6 +169,8 @@ TESTS = {
 # Modules no file of the tier imports by name (tests/test_quick_tier.py finds those that
 # are), and the quick test that runs them.
 THROUGH = {
+    # One ring block's steps, forward and backward: what every ring test runs.
+    "ulysses_dtensor.parallel.ring_steps": "test_ring.py::test_trainer_losses_mesh_independent_with_ring",
     "ulysses_dtensor.data.chat": "test_sft_data.py",  # the chat templates
     "ulysses_dtensor.data.order": "test_data.py",  # the epoch order of the stream
     "ulysses_dtensor.data.readers": "test_data_checks.py",  # every file format read and checked

@@ -25,7 +25,7 @@ from ulysses_dtensor.attention import (
     local_attention,
 )
 from ulysses_dtensor.attention import select as S
-from ulysses_dtensor.parallel import documents as D
+from ulysses_dtensor.attention import documents as D
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -25,10 +25,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ulysses_dtensor.attention import Capabilities, flex, local_attention
 from ulysses_dtensor.attention.pattern import Pattern
 from ulysses_dtensor.attention.select import kernel_refusal, resolve_backend
-from ulysses_dtensor.parallel import documents as D
+from ulysses_dtensor.attention import documents as D
 from ulysses_dtensor.parallel import ring as R
 from ulysses_dtensor.parallel import ring_kernels as K
-from ulysses_dtensor.parallel.documents import cu_seqlens_from_document_ids
+from ulysses_dtensor.attention.documents import cu_seqlens_from_document_ids
 from ulysses_dtensor.parallel.ring import layout_indices
 from ulysses_dtensor.parallel.ring_kernels import PairKernel, kernel_for
 

@@ -47,6 +47,10 @@ ACCURACY_CASES = {
     "w2_sp2_offload_params": (2, ["--parallelism.sp", "2", "--memory.offload_params", "true"], 2048),
     "w2_sp2_save_attention": (2, ["--parallelism.sp", "2", "--activation_checkpoint.mode", "full",
                                   "--activation_checkpoint.save_attention", "true"], 2048),
+    # Head chunks: the exchange and the kernel a query head at a time (8 heads, 4 kv heads: 4 and 2
+    # per rank, a kv head's k/v exchanged once for its two chunks).
+    "w2_sp2_head_chunks": (2, ["--parallelism.sp", "2", "--activation_checkpoint.mode", "full",
+                               "--memory.head_chunks", "4"], 2048),
     "w2_dp2_bf16": (2, ["--parallelism.sp", "1", "--parallelism.dp_shard", "2",
                         "--training.global_batch_size", "2",
                         "--training.mixed_precision_param", "bfloat16"], 1024),
@@ -369,6 +373,31 @@ def test_save_attention_plans_between_full_and_selective_ac():
     save_off = _plan(*SAVE, "--memory.offload_activations", "true", device="cuda")
     assert save_off.peak_bytes == off.peak_bytes
     assert save_off.host_bytes - off.host_bytes == kept
+
+
+# A model whose attention working set is large beside the rest (8 heads of 32, 2 kv heads).
+ATTN_HEAVY = [
+    "--model.flavor", "debug", "--model.dim", "256", "--model.ffn_dim", "256", "--model.n_heads", "8",
+    "--model.n_kv_heads", "2", "--model.vocab_size", "512", "--model.n_layers", "2",
+    "--training.mixed_precision_param", "bfloat16", "--training.global_batch_size", "1", "--parallelism.sp", "2",
+    *FULL, "--memory.tiled_mlp", "true", "--memory.tiled_loss", "true", "--memory.offload_activations", "true",
+]
+
+
+def test_head_chunks_are_planned_and_chosen_where_they_pay():
+    """The planner traces what the trainer runs: with no count named (0) it plans the chunks the
+    trainer chooses -- here one query head per chunk, as one layer's exchanged attention tensors
+    exceed 1 GiB per rank (1,280 bytes a token, 1M tokens) -- and they lower the planned peak of
+    this attention-bound step (below the bound the count is 1: tests/test_head_chunks.py)."""
+    def plan(chunks: str):
+        return plan_memory(load_config(ATTN_HEAVY + ["--memory.head_chunks", chunks]), 2, 1048576, device="cuda")
+
+    one, auto = plan("1"), plan("0")
+    assert auto.peak_bytes < one.peak_bytes
+    # Each chunk calls the kernel the target GPU runs (cuDNN on an H100) for its heads: 4 chunks per
+    # layer and forward (the forward and its recompute, two layers), against one call unchunked.
+    assert [(a["kernel"], a["calls"]) for a in auto.attention] == [("cudnn", 4 * 2 * 2)]
+    assert [(a["kernel"], a["calls"]) for a in one.attention] == [("cudnn", 2 * 2)]
 
 
 def test_offload_params_moves_the_parameter_state_to_the_host():

@@ -69,6 +69,19 @@ def test_edge_pieces_plan_the_memory_of_every_piece(small_norm_chunks):
     assert edges.trace["ops"] < 0.6 * every.trace["ops"], (edges.trace["ops"], every.trace["ops"])
 
 
+def test_edge_chunks_and_ring_steps_plan_the_memory_of_every_one():
+    # Head chunks (4 of a rank's 4 query heads, one kv head: traced 0, 1 and 3) under USP with a
+    # ring of 8 (traced steps 0, 1, 2 and 7), at their edges against every chunk and step, on
+    # 16 fake ranks (ring 8 x ulysses 2), full AC with offload, planned for CUDA.
+    cfg = load_config(["--model.flavor", "debug_gqa", "--model.vocab_size", "512", "--model.n_layers", "1",
+                       "--training.global_batch_size", "1", "--parallelism.sp", "16", "--parallelism.ring", "8",
+                       "--memory.head_chunks", "4", *SWITCHES, "--memory.mlp_tiles", "4", "--memory.loss_chunks", "4"])
+    edges = plan_memory(cfg, 16, 4096, device="cuda", loops="edges")
+    every = plan_memory(cfg, 16, 4096, device="cuda", loops="all")
+    assert edges.phase_peaks == every.phase_peaks and edges.host_bytes == every.host_bytes
+    assert edges.trace["ops"] < 0.6 * every.trace["ops"], (edges.trace["ops"], every.trace["ops"])
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_router_loss"])
 def test_edge_pieces_plan_transformers_models_exactly(tmp_path, family):
     # The transformers path's own loops: the tiled per-token block (here an MoE block whole:

@@ -217,7 +217,7 @@ def _kernels_worker(rank: int, world: int) -> dict:
         causal_conv_documents,
         chunk_gated_delta_rule_documents,
     )
-    from ulysses_dtensor.parallel.documents import segment_ids
+    from ulysses_dtensor.attention.documents import segment_ids
 
     # Small chunks (8) so that 37 tokens cross several: resets mid-chunk, at a chunk
     # start (16, 24), and a one-token document (8).

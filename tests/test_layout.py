@@ -77,6 +77,22 @@ def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+# The building blocks among themselves, lowest first (docs/layout.md): a block imports its own
+# package and the blocks below it. attention/ holds the packed documents' ids every block reads.
+BLOCKS = (
+    {"runtime"},
+    {"attention"},
+    {"parallel"},
+    {"memory", "mixers", "data"},
+    {"models"},
+)
+
+
+def _block(module: str) -> int | None:
+    parts = module.split(".")[1:]
+    return next((i for i, names in enumerate(BLOCKS) if parts and parts[0] in names), None)
+
+
 def test_every_module_belongs_to_a_layer():
     unknown = [m for m in modules() if m != "ulysses_dtensor" and _layer(m) is None]
     assert not unknown, f"modules outside every layer of tests/test_layout.py LAYERS: {unknown}"
@@ -86,6 +102,12 @@ def test_imports_flow_one_way():
     upward = [f"{m} imports {t}" for m, targets in _imports().items() for t in sorted(targets)
               if _layer(m) is not None and _layer(t) is not None and _layer(t) > _layer(m)]
     assert not upward, "imports against the layering of docs/layout.md:\n" + "\n".join(upward)
+
+
+def test_building_blocks_stack_in_order():
+    upward = [f"{m} imports {t}" for m, targets in _imports().items() for t in sorted(targets)
+              if _block(m) is not None and _block(t) is not None and _block(t) > _block(m)]
+    assert not upward, "building blocks importing a block above them (docs/layout.md):\n" + "\n".join(upward)
 
 
 def test_no_import_circles():

@@ -10,7 +10,7 @@ they leave their projections; backends that want SDPA's ``(batch, heads, seq,
 head_dim)`` get a transposed view internally.
 
 Packed documents are described by ``document_ids`` of shape ``(batch, seq)``
-(:mod:`~ulysses_dtensor.parallel.documents`): every backend -- dense mask, flex block
+(:mod:`~.documents`): every backend -- dense mask, flex block
 mask, varlen ``cu_seqlens`` -- sees the same segmentation, one document per run
 of equal ids, even if an id value repeats later in the row.
 
@@ -48,14 +48,14 @@ Pattern semantics: :mod:`.pattern`. Feature support per backend:
 :data:`.select.SUPPORTS`; the tensors each kernel takes: :func:`.select.kernel_refusal`.
 """
 
-from ..parallel.documents import (
+from .documents import (
     cu_seqlens_from_document_ids,
     document_ids_from_position_ids,
 )
 from .capabilities import Capabilities
 from .dense import _repeat_kv
 from .kernel_table import Case, Choice, auto_choice, describe_choice
-from .local import LocalAttention, local_attention
+from .local import AttentionCall, LocalAttention, local_attention
 from .select import (
     BACKENDS,
     FEATURES,
@@ -66,6 +66,7 @@ from .select import (
 )
 
 __all__ = [
+    "AttentionCall",
     "BACKENDS",
     "FEATURES",
     "Capabilities",

@@ -22,7 +22,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..parallel.documents import cached_for_documents
+from .documents import cached_for_documents
 from .pattern import Pattern
 
 __all__ = ["flex_attention_backend"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from ..parallel.documents import segment_ids
+from .documents import segment_ids
 from ..runtime.regions import in_region
 from .dense import cudnn_attention, sdpa_attention
 from .flex import flex_attention_backend
@@ -14,7 +16,7 @@ from .pattern import check_pattern
 from .planning import planned_attention, planning_target
 from .select import check_backend, resolve_backend
 
-__all__ = ["LocalAttention", "local_attention"]
+__all__ = ["AttentionCall", "LocalAttention", "local_attention"]
 
 
 def _check_shapes(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None) -> None:
@@ -103,6 +105,21 @@ def local_attention(
     return out.to(q.dtype)
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one :func:`local_attention` call computes, but for its tensors (q, k, v and
+    sinks): a module's answer to ``call_spec(...)``, which lets head chunks
+    (:mod:`ulysses_dtensor.parallel.head_chunks`) run the call's kernel split into a
+    forward and a backward, chunk by chunk."""
+
+    backend: str = "auto"
+    causal: bool = True
+    scale: float | None = None
+    window: int | None = None
+    softcap: float | None = None
+    document_ids: Tensor | None = None
+
+
 class LocalAttention(torch.nn.Module):
     """Module wrapper around :func:`local_attention` (no parameters).
 
@@ -142,6 +159,10 @@ class LocalAttention(torch.nn.Module):
             softcap=self.softcap,
             sinks=sinks,
         )
+
+    def call_spec(self, document_ids: Tensor | None = None) -> AttentionCall:
+        """The :class:`AttentionCall` of ``forward(q, k, v, document_ids, sinks)``."""
+        return AttentionCall(self.backend, self.causal, self.scale, self.window, self.softcap, document_ids)
 
     def extra_repr(self) -> str:
         extra = "".join(f", {n}={getattr(self, n)}" for n in ("window", "softcap") if getattr(self, n) is not None)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..parallel.documents import (
+from .documents import (
     cached_for_documents,
     cu_seqlens,
     cu_seqlens_from_document_ids,

@@ -34,8 +34,8 @@ from .kernel_table import Case, Choice, auto_choice, cudnn_refusal, fa4_refusal,
 from .pattern import Pattern
 from .select import FEATURES, SUPPORTS, kernel_refusal
 
-__all__ = ["PlannedKernelError", "default_target", "planned_attention", "planned_choice", "planning_for",
-           "planning_target"]
+__all__ = ["PlannedKernelError", "count_planned", "default_target", "planned_attention", "planned_choice",
+           "planning_for", "planning_target"]
 
 class PlannedKernelError(ValueError):
     """A named backend that cannot run a call's case on the machine planned for."""
@@ -74,6 +74,13 @@ def planning_for(caps: Capabilities) -> Iterator[Counter]:
 def planning_target() -> Capabilities | None:
     """The machine attention is being planned for, or None (it runs)."""
     return None if _TARGET is None else _TARGET[0]
+
+
+def count_planned(choice: Choice) -> None:
+    """Count one call planned as ``choice`` (callers that run the planned kernel themselves:
+    head chunks, :mod:`ulysses_dtensor.parallel.head_chunk_kernels`)."""
+    if _TARGET is not None:
+        _TARGET[1][choice] += 1
 
 
 def planned_choice(backend: str, case: Case, caps: Capabilities) -> Choice:

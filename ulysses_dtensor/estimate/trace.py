@@ -120,6 +120,7 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
 
     from ..attention.planning import PlannedKernelError, default_target, planning_for
     from ..memory.tiling import edge_pieces_only
+    from ..parallel.head_chunks import edge_chunks_only
     from ..parallel.loss import count_valid_tokens
     from ..trainer.build import build_model
     from ..trainer.config import ConfigError, model_args, validate_config
@@ -183,7 +184,8 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
                     staging=_largest_shard_group_bytes(model) if host_state else 0,
                 )
                 tracker.track_inputs((batch["input_ids"], batch["labels"], batch["position_ids"]))
-                with tracker, (edge_pieces_only() if edges else contextlib.nullcontext()):
+                with tracker, (edge_pieces_only() if edges else contextlib.nullcontext()), \
+                        (edge_chunks_only() if edges else contextlib.nullcontext()):
                     train_step(
                         model,
                         optimizer,

@@ -6,6 +6,13 @@ Llama-3-8B that is 32 layers x 1 GiB (bf16, sp=8). This moves each block
 input to pinned CPU memory on a side stream in forward and brings it back in
 backward, one block ahead of use, so device memory holds O(1) block inputs.
 
+When the step's attention ran in head chunks (long context:
+:mod:`ulysses_dtensor.parallel.head_chunks`), the previous block's input comes
+back once this block's attention backward is done, not as this block's backward
+starts: the attention backward is the peak of a block's backward, and the
+input arriving early would add its size to it. A layer's backward at those
+lengths takes seconds; the copy, a fraction of one.
+
 The block runs under PyTorch's non-reentrant activation checkpointing, with
 one change: the function checkpointing replays reads the block input from the
 host copy instead of holding the device tensor. Forward is the block's own,
@@ -19,6 +26,8 @@ forward's RNG state (``preserve_rng_state``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -27,6 +36,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from ..parallel.head_chunks import after_chunked_backward, chunked_calls
 from ..runtime.regions import in_region
 from .saved_attention import AttentionKeeping, KeptOutputs, take_kept_outputs
 
@@ -49,6 +59,7 @@ class HostOffloader:
         self._slots: list[dict] = []
         self.offloaded_bytes = 0  # bytes moved out in the current step
         self._stream = None
+        self._chunked_at_start = 0  # chunked attention calls counted when the step's forward began
 
     @property
     def held(self) -> int:
@@ -89,6 +100,8 @@ class HostOffloader:
             # The previous step's backward consumed every slot: a new step.
             self._slots.clear()
             self.offloaded_bytes = 0
+        if not self._slots:
+            self._chunked_at_start = chunked_calls()
         slot: dict = {"device": x.device, "host": []}
         self._copy_out(slot, x)
         self._slots.append(slot)
@@ -147,7 +160,11 @@ class HostOffloader:
             for t in slot["device_copy"]:
                 t.record_stream(current)
         if handle > 0:
-            self._start_fetch(handle - 1)
+            if chunked_calls() != self._chunked_at_start:
+                # Past this block's attention backward (its peak), not before it.
+                after_chunked_backward(self, functools.partial(self._start_fetch, handle - 1))
+            else:
+                self._start_fetch(handle - 1)
         out = slot.pop("device_copy")
         slot.pop("host", None)
         return out

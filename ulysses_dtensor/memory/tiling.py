@@ -122,6 +122,20 @@ def checkpointed_pieces(fn, n: int, piece, stand_in=None) -> Iterator:
         yield checkpoint(fn, *piece(i), use_reentrant=False)
 
 
+def tile_views(x: Tensor, tiles: list[tuple[int, int]]) -> tuple[Tensor, ...]:
+    """The tiles of ``x`` along dim 1, as views made by one split. Its backward joins the
+    tiles' gradients once, where a view per tile (``narrow``) would give each tile's
+    gradient as a whole-size tensor, added up one by one: two whole-size gradients
+    alive at every tile's backward, and a whole-size zero fill per tile."""
+    sizes = [n for _, n in tiles]
+    if not _edge_only or len(tiles) <= 2 * _EDGE:
+        return x.split(sizes, dim=1)
+    # Under edge_pieces_only the middle pieces never run: one view stands for them all, so that
+    # the split's backward fills one gradient as large as theirs, in one op whatever their count.
+    parts = x.split(sizes[:_EDGE] + [sum(sizes[_EDGE:-_EDGE])] + sizes[-_EDGE:], dim=1)
+    return (*parts[:_EDGE], *([None] * (len(tiles) - 2 * _EDGE)), *parts[-_EDGE:])
+
+
 def tiled_forward(fn, x: Tensor, num_tiles: int) -> Tensor:
     """``fn(x)`` for a per-token ``fn``, over ``num_tiles`` tiles of dim 1.
 
@@ -132,8 +146,9 @@ def tiled_forward(fn, x: Tensor, num_tiles: int) -> Tensor:
     if len(tiles) == 1:
         return fn(x)
     if torch.is_grad_enabled():
+        views = tile_views(x, tiles)
         outs = list(checkpointed_pieces(
-            fn, len(tiles), lambda i: (x.narrow(1, *tiles[i]),),
+            fn, len(tiles), lambda i: (views[i],),
             lambda out, k: out.new_empty((out.shape[0], k * out.shape[1], *out.shape[2:]))))
     else:
         outs = [fn(x.narrow(1, s, n)) for s, n in tiles]

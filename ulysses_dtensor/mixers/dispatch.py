@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..parallel.documents import segment_ids
+from ..attention.documents import segment_ids
 from .fla_kernels import fla_causal_conv, fla_gated_delta_rule
 from .gated_delta import causal_conv_documents, chunk_gated_delta_rule_documents
 from .kernel_choice import (

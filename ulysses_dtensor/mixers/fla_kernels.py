@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..parallel.documents import cached_for_documents, cu_seqlens
+from ..attention.documents import cached_for_documents, cu_seqlens
 from .kernel_choice import load_kernel
 
 __all__ = ["fla_causal_conv", "fla_cu_seqlens", "fla_gated_delta_rule"]

@@ -10,7 +10,7 @@ rule, a per-head recurrence over a ``(k_head_dim, v_head_dim)`` state::
 (q, k L2-normalised, q scaled by ``k_head_dim ** -0.5``). transformers' torch
 versions of both run one sequence per row: given packed documents they let a
 document read its predecessors' state. The versions here take ``segments``
-(per-row document numbers, :func:`~ulysses_dtensor.parallel.documents.segment_ids`)
+(per-row document numbers, :func:`~ulysses_dtensor.attention.documents.segment_ids`)
 and restart both at every document start, exactly as if each document ran
 alone, in one vectorised pass (no host sync, no loop over documents).
 

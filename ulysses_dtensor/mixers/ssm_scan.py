@@ -4,7 +4,7 @@ After the Ulysses exchange a rank holds the whole sequence of its heads (Mamba-2
 or channels (Mamba), so the scan runs here over all of it; packed documents must
 not read each other's state. transformers' torch scans run one sequence per row.
 These take ``segments`` (per-row document numbers,
-:func:`~ulysses_dtensor.parallel.documents.segment_ids`) and zero the state at every
+:func:`~ulysses_dtensor.attention.documents.segment_ids`) and zero the state at every
 document start, exactly as if each document ran alone (their short causal
 convolution restarts with :func:`~.gated_delta.causal_conv_documents`).
 

@@ -59,7 +59,8 @@ from ..memory.saved_attention import (
 from ..parallel.mesh import ParallelMesh
 from ..parallel.ring import RingAttention
 from ..parallel.tensor_parallel import LLAMA_TP_PLAN, check_tp_heads, tensor_parallelize
-from ..parallel.ulysses import UlyssesAttention, kv_replication
+from ..parallel.head_chunks import recomputes_in_chunks
+from ..parallel.ulysses import UlyssesAttention, check_chunks_for_heads, kv_replication
 from ..runtime.suggest import unknown_name
 
 __all__ = ["AC_MODES", "check_memory_options", "clip_grad_norm_", "needs_rng_replay", "parallelize_llama"]
@@ -86,6 +87,7 @@ def parallelize_llama(
     offload_activations: bool = False,
     offload_params: bool = False,
     save_attention: bool = False,
+    head_chunks: int | None = None,
 ) -> nn.Module:
     """Parallelize ``model`` (a :class:`~ulysses_dtensor.models.llama.Llama`) in place.
 
@@ -133,6 +135,13 @@ def parallelize_llama(
             CPU tensors meet in collectives (gradient-norm clipping), so on
             CUDA the process group needs a CPU backend too
             (``init_process_group("cuda:nccl,cpu:gloo")``).
+        head_chunks: run the exchange and the attention kernel over chunks of
+            a rank's heads, forward and backward, so that one chunk's
+            full-sequence tensors are alive at a time
+            (:mod:`~ulysses_dtensor.parallel.head_chunks`): None (default) one
+            query head per chunk where one layer's exchanged attention tensors
+            exceed 1 GiB per rank, else none; 1 none; or a count that follows
+            the kv groups.
     """
     layers = _blocks(model)
     if ac_mode not in AC_MODES:
@@ -151,6 +160,11 @@ def parallelize_llama(
         check_tp_heads(args.n_heads, args.n_kv_heads, tp, dims.sp // ring, "parallelize_llama")
         if tp == 1 and dims.sp > 1:
             kv_replication(args.n_heads, args.n_kv_heads, dims.sp // ring)
+        check_chunks_for_heads(head_chunks, args.n_heads // tp, args.n_kv_heads // tp, dims.sp // ring,
+                               "parallelize_llama: head_chunks")
+    elif head_chunks is not None and (isinstance(head_chunks, bool) or not isinstance(head_chunks, int)
+                                      or head_chunks < 1):
+        raise ValueError(f"head_chunks={head_chunks!r} must be a positive integer (1: no chunks) or None")
     if tp > 1:
         # Tensor parallelism first: q/k/v then carry heads / tp heads into the exchange.
         tensor_parallelize(list(layers.values()), pmesh.tp, LLAMA_TP_PLAN)
@@ -160,7 +174,7 @@ def parallelize_llama(
             if ring > 1:
                 # Ring first: the Ulysses hooks go on the module that stays.
                 attn.inner = parallelize_module(attn.inner, pmesh.ring, RingAttention())
-            parallelize_module(attn.inner, pmesh.ulysses, UlyssesAttention(pack_qkv=pack_qkv))
+            parallelize_module(attn.inner, pmesh.ulysses, UlyssesAttention(pack_qkv=pack_qkv, head_chunks=head_chunks))
         model.sp_mesh = pmesh.sp
 
     _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks)
@@ -168,19 +182,21 @@ def parallelize_llama(
     model.offloader = offloader
     keep = attention_keeping(model, save_attention)
     rng = needs_rng_replay(model)
+    # A kernel re-run in a chunk's backward cannot be traced into the block's graph.
+    fullgraph = not recomputes_in_chunks(head_chunks, getattr(args, "attn_backend", "auto"), ())
 
     for layer_id, block in list(layers.named_children()):
         if offloader is not None:
             # Compile inside, offload outside: the host copies and side
             # streams are not traceable, the block is.
             if compile:
-                block = torch.compile(block, fullgraph=True, backend=compile_backend)
+                block = torch.compile(block, fullgraph=fullgraph, backend=compile_backend)
             layers.register_module(layer_id, OffloadedCheckpointBlock(block, offloader, preserve_rng_state=rng,
                                                                       keep=keep))
             continue
         block = checkpoint_block(block, int(layer_id), ac_mode, every_k, preserve_rng_state=rng, keep=keep)
         if compile:
-            block = torch.compile(block, fullgraph=True, backend=compile_backend)
+            block = torch.compile(block, fullgraph=fullgraph, backend=compile_backend)
         layers.register_module(layer_id, block)
 
     mesh = pmesh.param_mesh

@@ -373,18 +373,63 @@ def rope_cos_sin(position_ids: Tensor, inv_freq: Tensor, scaling: float = 1.0) -
     return cos.float(), sin.float()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") -> Tensor:
-    """Rotate pairs of dims of ``x: (B, S, H, D)`` by the angles of ``cos, sin``.
-
-    ``"interleaved"``: pairs ``(x[2i], x[2i+1])`` (Meta's layout);
-    ``"half"``: pairs ``(x[i], x[i + D/2])`` (Hugging Face's rotate-half layout).
-    """
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
+def _rotate(x: Tensor, c: Tensor, s: Tensor, layout: str) -> Tensor:
+    """``x`` rotated by the angles of ``c, s`` (broadcast over heads), in float32, cast back."""
     xf = x.float()
     if layout == "half":
         x0, x1 = xf.chunk(2, dim=-1)
         return torch.cat([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).type_as(x)
     xf = xf.unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
-    return out.type_as(x)
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2).type_as(x)
+
+
+# Heads rotated at a time: the float32 temporaries of a rotation are a few times the size of the
+# heads they cover, so a group of 1/8 of the heads keeps them under its input's size (at millions of
+# tokens the whole of q in float32, twice, was the peak of a layer's backward). Below
+# _GROUP_MIN_BYTES of float32 at once the rotation runs whole (fewer kernel launches).
+_HEAD_GROUPS = 8
+_GROUP_MIN_BYTES = 1 << 26
+
+
+def _rotate_by_groups(x: Tensor, c: Tensor, s: Tensor, layout: str) -> Tensor:
+    heads = x.shape[2]
+    step = max(1, -(-heads // _HEAD_GROUPS))
+    if step >= heads or x.numel() * 4 < _GROUP_MIN_BYTES:
+        return _rotate(x, c, s, layout)
+    out = torch.empty_like(x)
+    for h in range(0, heads, step):
+        out[:, :, h:h + step] = _rotate(x[:, :, h:h + step], c, s, layout)
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """The rotation and its gradient, the rotation by the opposite angles (bitwise what
+    autograd computes through :func:`_rotate`), a group of heads at a time; keeps
+    only cos and sin."""
+
+    @staticmethod
+    def forward(ctx, x, c, s, layout):
+        ctx.save_for_backward(c, s)
+        ctx.layout = layout
+        return _rotate_by_groups(x, c, s, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        c, s = ctx.saved_tensors
+        return _rotate_by_groups(grad, c, -s, ctx.layout), None, None, None
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") -> Tensor:
+    """Rotate pairs of dims of ``x: (B, S, H, D)`` by the angles of ``cos, sin``.
+
+    ``"interleaved"``: pairs ``(x[2i], x[2i+1])`` (Meta's layout);
+    ``"half"``: pairs ``(x[i], x[i + D/2])`` (Hugging Face's rotate-half layout).
+    Computed in float32, a group of heads at a time, forward and backward.
+    """
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    if layout not in ("half", "interleaved"):
+        raise ValueError(f"rope layout {layout!r} must be 'interleaved' or 'half'")
+    if c.requires_grad or s.requires_grad:  # angles with a gradient: autograd's own rotation
+        return _rotate(x, c, s, layout)
+    return _Rope.apply(x, c, s, layout)

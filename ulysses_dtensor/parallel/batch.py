@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from .documents import document_ids_from_position_ids
+from ..attention.documents import document_ids_from_position_ids
 from .loss import IGNORE_INDEX
 from .mesh import divisors, ring_degree
 from .ring_layout import layout_indices, seq_multiple

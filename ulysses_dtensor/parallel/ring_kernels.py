@@ -84,11 +84,13 @@ def kernel_for(
     raise ValueError(f"ring attention on CUDA runs float16, bfloat16 or float32 tensors; got {dtype}")
 
 
-def pair_forward(kernel: PairKernel, q, k, v, causal: bool, scale, mask: Tensor | None = None, runs=None):
+def pair_forward(kernel: PairKernel, q, k, v, causal: bool, scale, mask: Tensor | None = None, runs=None,
+                 window: int | None = None):
     """-> out (B, H, Sq, D), lse (B, H, Sq) float32 (or float64), state for the backward.
 
     ``mask``: dense additive (B, 1, Sq, Sk) mask (``cpu_flash``, ``efficient``);
-    ``runs``: the diagonal pair's document runs, ``(cu_seqlens, max_len)`` (``varlen``).
+    ``runs``: the diagonal pair's document runs, ``(cu_seqlens, max_len)`` (``varlen``);
+    ``window``: a sliding window of that many keys (``varlen`` only; the others take it in ``mask``).
     """
     if kernel.name == "cpu_flash":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
@@ -99,7 +101,7 @@ def pair_forward(kernel: PairKernel, q, k, v, causal: bool, scale, mask: Tensor 
     scale = d**-0.5 if scale is None else scale  # of the real head dim, not the padded one
     q, k, v = (_pad(t, kernel.head_dim) for t in (q, k, v))
     if kernel.name == "varlen":
-        out, lse, state = _varlen_forward(q, k, v, causal, scale, runs)
+        out, lse, state = _varlen_forward(q, k, v, causal, scale, runs, window)
     elif kernel.name == "cudnn":
         out, lse, state = _cudnn_forward(q, k, v, causal, scale)
     else:
@@ -245,24 +247,31 @@ def _varlen_ops():
 # (the flash path takes GQA k/v as they are; only the public wrapper checks).
 
 
-def _varlen_forward(q, k, v, causal, scale, runs):
+def _window_kwargs(window: int | None) -> dict:
+    # The kernels' (left, right) window: W keys, the query itself included (attention/packed.py).
+    return {} if window is None else {"window_size": [window - 1, 0]}
+
+
+def _varlen_forward(q, k, v, causal, scale, runs, window=None):
     cu, max_len = runs
     b, h, s, d = q.shape
     out, lse, rng = _varlen_ops()._varlen_attn(
-        _packed(q), _packed(k), _packed(v), cu, cu, max_len, max_len, is_causal=causal, scale=scale
+        _packed(q), _packed(k), _packed(v), cu, cu, max_len, max_len, is_causal=causal, scale=scale,
+        **_window_kwargs(window),
     )
     # out (B*S, H, D), lse (H, B*S) -> the dense layouts the ring merges.
     out = out.view(b, s, h, d).transpose(1, 2)
     lse = lse.view(h, b, s).transpose(0, 1)
-    return out, lse, ("varlen", cu, max_len, rng)
+    return out, lse, ("varlen", cu, max_len, rng, window)
 
 
 def _varlen_backward(dout, q, k, v, out, lse, causal, scale, state):
-    _, cu, max_len, rng = state
+    _, cu, max_len, rng, window = state
     b, h, s, d = q.shape
     dq, dk, dv = _varlen_ops()._varlen_attn_backward(
         _packed(dout), _packed(q), _packed(k), _packed(v), _packed(out),
         lse.transpose(0, 1).reshape(h, b * s).contiguous(), cu, cu, max_len, max_len, causal, rng, scale=scale,
+        **_window_kwargs(window),
     )
     hk = k.shape[1]
     return (

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
-from .documents import segment_ids
+from ..attention.documents import segment_ids
 
 __all__ = ["Documents", "layout_indices", "layout_position_ids", "original_segment_ids", "seq_multiple"]
 

@@ -25,6 +25,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..runtime.regions import in_region
 from .comm_timing import active_timer, timed_all_to_all
+from .head_chunk_kernels import split_kernel
+from .head_chunks import AUTO_MIN_BYTES, check_head_chunks, head_chunked_attention, resolve_head_chunks
 from .mesh import divisors
 
 SEQ_DIM = 1
@@ -178,12 +180,26 @@ class UlyssesAttention(ParallelStyle):
             ``Shard(1)`` DTensor, as in PyTorch's own parallel styles. A flag
             rather than mirroring the input kind keeps the hooks free of
             per-call state, which compiled checkpoint regions cannot replay.
+        head_chunks: run the exchange and the attention kernel over chunks of
+            a rank's heads, forward and backward (:mod:`.head_chunks`): 1 (the
+            default) none, an int a count :func:`~.head_chunks.valid_head_chunks`
+            allows, None a count from each call's shapes
+            (:func:`~.head_chunks.auto_head_chunks`). With chunks the module's
+            ``forward`` is replaced in place (the hooks cannot split a call):
+            its kernel runs split into forward and backward when the module
+            describes its call (``call_spec``), else its own forward is re-run
+            with grad per chunk in backward.
     """
 
-    def __init__(self, *, pack_qkv: bool = False, use_local_output: bool = True):
+    def __init__(self, *, pack_qkv: bool = False, use_local_output: bool = True, head_chunks: int | None = 1):
         super().__init__()
+        if head_chunks is not None and (isinstance(head_chunks, bool) or not isinstance(head_chunks, int)
+                                        or head_chunks < 1):
+            raise ValueError(f"head_chunks={head_chunks!r} must be a positive integer (1: no chunks) or None "
+                             "(a count from the shapes)")
         self.pack_qkv = pack_qkv
         self.use_local_output = use_local_output
+        self.head_chunks = head_chunks
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.ndim != 1:
@@ -194,6 +210,9 @@ class UlyssesAttention(ParallelStyle):
         if device_mesh.size() == 1:
             # Nothing to exchange: leave the module as it is (no copies, no
             # 1-rank collectives).
+            return module
+        if self.head_chunks != 1:
+            module.forward = _chunked_forward(module, device_mesh, self)
             return module
 
         def pre_hook(_mod, args, kwargs):
@@ -218,28 +237,78 @@ class UlyssesAttention(ParallelStyle):
 
     @in_region("ulysses.layout")
     def _to_heads(self, q, k, v, mesh: DeviceMesh) -> list[Tensor]:
-        # Plain tensors are this rank's Shard(1) slices and go straight to the
-        # exchange on local tensors: the same collective as the DTensor path,
-        # without a DTensor wrap and unwrap per tensor (measurable per-layer
-        # CPU overhead in eager mode at short per-rank lengths).
-        sp = mesh.size()
-        q, k, v = (_local_seq_shard(t, mesh, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
-        if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
-            raise ValueError(
-                f"q, k, v must agree on batch and sequence and k, v on heads (head dims may differ); got "
-                f"q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)} (this rank's slices)"
-            )
-        repeat = kv_replication(q.shape[HEAD_DIM], k.shape[HEAD_DIM], sp)
-        if repeat > 1:
-            # Repeat each kv head on the local slice; the repeat's backward sums
-            # the gradients of the copies, so kv grads stay exact.
-            k, v = (t.repeat_interleave(repeat, dim=HEAD_DIM) for t in (k, v))
+        q, k, v = _exchange_inputs(q, k, v, mesh)
         if self.pack_qkv:
             return _seq_to_heads_local([q, k, v], mesh)
         return [_seq_to_heads_local([t], mesh)[0] for t in (q, k, v)]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(pack_qkv={self.pack_qkv}, use_local_output={self.use_local_output})"
+        chunks = "" if self.head_chunks == 1 else f", head_chunks={self.head_chunks}"
+        return f"{type(self).__name__}(pack_qkv={self.pack_qkv}, use_local_output={self.use_local_output}{chunks})"
+
+
+def _exchange_inputs(q, k, v, mesh: DeviceMesh) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's (B, S/P, H, D) slices of q, k, v as the exchange takes them: checked,
+    and kv heads repeated so that each rank receives the kv head its q heads use."""
+    # Plain tensors are this rank's Shard(1) slices and go straight to the
+    # exchange on local tensors: the same collective as the DTensor path,
+    # without a DTensor wrap and unwrap per tensor (measurable per-layer
+    # CPU overhead in eager mode at short per-rank lengths).
+    sp = mesh.size()
+    q, k, v = (_local_seq_shard(t, mesh, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"q, k, v must agree on batch and sequence and k, v on heads (head dims may differ); got "
+            f"q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)} (this rank's slices)"
+        )
+    repeat = kv_replication(q.shape[HEAD_DIM], k.shape[HEAD_DIM], sp)
+    if repeat > 1:
+        # Repeat each kv head on the local slice; the repeat's backward sums
+        # the gradients of the copies, so kv grads stay exact.
+        k, v = (t.repeat_interleave(repeat, dim=HEAD_DIM) for t in (k, v))
+    return q, k, v
+
+
+def _chunked_forward(module: nn.Module, mesh: DeviceMesh, style: "UlyssesAttention"):
+    """``module``'s forward under :class:`UlyssesAttention` with head chunks: each call is
+    exchanged and attended chunk by chunk (:func:`~.head_chunks.head_chunked_attention`),
+    or, when the call resolves to one chunk, exchanged whole as the hooks do. The module's
+    own forward is its class's (one function for every layer: compiled blocks share a graph)."""
+    own_forward = type(module).forward
+    call_spec = getattr(type(module), "call_spec", None)
+
+    def forward(*args, **kwargs):
+        q, k, v, rest = _split_qkv(args, kwargs)
+        sinks = kwargs.pop("sinks", None)
+        if sinks is not None:  # a wrong one fails before any collective
+            sinks = _heads_of_rank(sinks, "sinks", q.shape[HEAD_DIM], mesh)
+        q, k, v = _exchange_inputs(q, k, v, mesh)
+        size = mesh.size()
+        chunks = resolve_head_chunks(style.head_chunks, q.shape[0], q.shape[1] * size, q.shape[HEAD_DIM] // size,
+                                     k.shape[HEAD_DIM] // size, q.shape[-1], v.shape[-1], q.element_size())
+        if chunks == 1:
+            heads = _seq_to_heads_local([q, k, v], mesh) if style.pack_qkv else [
+                _seq_to_heads_local([t], mesh)[0] for t in (q, k, v)]
+            extra = {} if sinks is None else {"sinks": sinks}
+            out = _heads_to_seq_local(own_forward(module, *heads, *rest, **kwargs, **extra), mesh)
+        else:
+            def fallback(q_h, k_h, v_h, s):  # the module's own forward, on the kernel layout
+                extra = {} if s is None else {"sinks": s}
+                o = own_forward(module, q_h.transpose(1, 2), k_h.transpose(1, 2), v_h.transpose(1, 2), *rest,
+                                **kwargs, **extra)
+                return o.transpose(1, 2)
+
+            spec = None if call_spec is None else call_spec(module, *rest, **kwargs)
+
+            def make_kernel(q_h, v_h):
+                return split_kernel(spec, fallback, q_h, v_h, sinks is not None)
+
+            out = head_chunked_attention(q, k, v, sinks, mesh, chunks, make_kernel, pack=style.pack_qkv)
+        if style.use_local_output:
+            return out
+        return DTensor.from_local(out, mesh, [Shard(SEQ_DIM)], run_check=False)
+
+    return forward
 
 
 def _heads_of_rank(t: Tensor, name: str, heads: int, mesh: DeviceMesh) -> Tensor:
@@ -288,6 +357,41 @@ def _local_seq_shard(t, mesh: DeviceMesh, name: str) -> Tensor:
     return t
 
 
+# ---------------------------------------------------------------------------
+# Head chunks of a model, before anything is applied
+# ---------------------------------------------------------------------------
+
+
+def check_chunks_for_heads(value, heads: int, kv_heads: int, ulysses: int, key: str = "head_chunks") -> int | None:
+    """:func:`check_head_chunks` for a model of ``heads`` / ``kv_heads`` (per tp rank) exchanged over
+    ``ulysses`` ranks (kv heads replicated as the exchange does), before anything is applied;
+    ``key``: the setting's name in the message."""
+    if value is None or ulysses == 1:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{key}={value!r} must be a positive integer (1: no chunks) or None")
+        return value
+    exchanged = kv_heads * kv_replication(heads, kv_heads, ulysses)
+    return check_head_chunks(value, heads // ulysses, exchanged // ulysses, key)
+
+
+def describe_head_chunks(setting: int | None, seq: int, heads: int, kv_heads: int, head_dim: int,
+                         v_head_dim: int, sp: int, element_size: int, batch: int = 1) -> str:
+    """The banner's words: how many head chunks run at ``seq`` tokens (``heads`` / ``kv_heads``
+    of the model as they enter the exchange over ``sp`` ranks, kv heads replicated as needed)."""
+    if sp == 1:
+        return "head chunks: none (no exchange, sp 1)"
+    hq, hk = heads // sp, kv_heads * kv_replication(heads, kv_heads, sp) // sp
+    n = resolve_head_chunks(setting, batch, seq, hq, hk, head_dim, v_head_dim, element_size)
+    if setting is not None:
+        how = "named"
+    else:
+        working = 2 * batch * seq * element_size * (hq + hk) * (head_dim + v_head_dim)
+        how = (f"auto: a layer's exchanged attention tensors are {working / (1 << 30):.1f} GiB per rank, "
+               f"chunked from {AUTO_MIN_BYTES >> 30} GiB")
+    kv = "; k/v exchanged once per kv head" if n > hk else ""
+    return f"head chunks: {n} ({hq} query heads per rank, {seq:,} tokens; {how}{kv})"
+
+
 def exchange_bytes_per_rank(
     batch: int,
     seq: int,
@@ -299,6 +403,7 @@ def exchange_bytes_per_rank(
     *,
     backward: bool = True,
     v_head_dim: int | None = None,
+    head_chunks: int = 1,
 ) -> int:
     """Bytes one rank sends through all-to-all for one attention layer.
 
@@ -306,7 +411,9 @@ def exchange_bytes_per_rank(
     a ``(batch, seq/sp, h, d)`` shard of which ``(sp-1)/sp`` leaves the
     rank, with ``d = v_head_dim`` (default ``head_dim``) for v and the output;
     backward moves their gradients, the same volume again. Packing q, k, v
-    changes the number of collectives, not the bytes.
+    changes the number of collectives, not the bytes. With ``head_chunks`` > 1
+    backward also sends the output again, chunk by chunk (its kernels take it
+    with its gradient: :mod:`.head_chunks`).
     """
     if sp == 1:
         return 0
@@ -315,4 +422,7 @@ def exchange_bytes_per_rank(
     local_tokens = batch * seq // sp
     elements = local_tokens * (head_dim + dv) * (heads + kv_exchanged)
     sent = elements * element_size * (sp - 1) // sp
-    return 2 * sent if backward else sent
+    if not backward:
+        return sent
+    again = local_tokens * heads * dv * element_size * (sp - 1) // sp if head_chunks > 1 else 0
+    return 2 * sent + again

@@ -127,6 +127,7 @@ def build_model(
         offload_activations=cfg.memory.offload_activations,
         offload_params=cfg.memory.offload_params,
         save_attention=ac.save_attention,
+        head_chunks=cfg.memory.head_chunks or None,
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if cfg.memory.offload_params else device)

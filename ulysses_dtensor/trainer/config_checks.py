@@ -73,6 +73,7 @@ def check_values(cfg: JobConfig) -> None:
         )
     positive("memory.mlp_tiles", cfg.memory.mlp_tiles, 0)
     positive("memory.loss_chunks", cfg.memory.loss_chunks, 0)
+    positive("memory.head_chunks", cfg.memory.head_chunks, 0)
     if cfg.memory.offload_activations and cfg.activation_checkpoint.mode != "full":
         raise ConfigError(
             f"memory.offload_activations=true needs activation_checkpoint.mode='full' "
@@ -203,7 +204,7 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
 
     stage_ropes(cfg, args)  # every stage's rope_theta / rope_scaling (ConfigError)
     from ..parallel.tensor_parallel import check_tp_heads
-    from ..parallel.ulysses import kv_replication
+    from ..parallel.ulysses import check_chunks_for_heads, kv_replication
 
     model = f"model.hf_path={cfg.model.hf_path!r}" if cfg.model.hf_path else f"model.flavor={cfg.model.flavor!r}"
     if dims.tp > 1:
@@ -222,6 +223,11 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
             where = f"ulysses = parallelism.sp / parallelism.ring = {dims.sp} / {dims.ring} = {dims.ulysses}"
             hint = " (sp here is the ulysses degree)"
         raise ConfigError(f"{model} with {where}: {e}{hint}") from None
+    try:
+        check_chunks_for_heads(cfg.memory.head_chunks or None, args.n_heads, args.n_kv_heads or args.n_heads,
+                               dims.ulysses, "memory.head_chunks")
+    except ValueError as e:
+        raise ConfigError(f"{e} ({model} on ulysses {dims.ulysses})") from None
     if cfg.lora.rank:  # the adapters' targets, on the model built on meta
         import torch
 

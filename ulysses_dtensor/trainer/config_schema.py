@@ -211,6 +211,9 @@ class Memory:
     mlp_tiles: int = _f(0, "MLP tiles (0: from the shapes, about seq*ffn/dim^2)")
     tiled_loss: bool = _f(False, "compute logits + loss over sequence chunks (no whole (seq, vocab) logits)")
     loss_chunks: int = _f(0, "loss chunks (0: from the shapes, at most 1 GiB of float32 logits each)")
+    head_chunks: int = _f(0, "run the Ulysses exchange and attention over this many chunks of a rank's heads, "
+                             "forward and backward (0: from the shapes, one query head per chunk at long "
+                             "context; 1: none); counts follow the kv groups")
     offload_activations: bool = _f(
         False, "keep checkpointed block inputs in pinned host memory (needs activation_checkpoint.mode='full')"
     )

@@ -248,6 +248,7 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
         offload_params=mem.offload_params,
         allow_untested=cfg.model.allow_untested,
         save_attention=ac.save_attention,
+        head_chunks=mem.head_chunks or None,
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if mem.offload_params else device)

@@ -205,7 +205,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"{f' tp={dims.tp}' if dims.tp > 1 else ''}\n"
         f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size})\n"
-        f"  attention: {_attention_banner(cfg, vocab_size, device)}\n"
+        f"  attention: {_attention_banner(cfg, vocab_size, device)}; {_head_chunks_banner(cfg, vocab_size, dims)}\n"
         f"  implementation {_implementation_banner(cfg)}\n"
         f"  {_checkpointing_banner(cfg)}\n"
         f"  {_memory_banner(cfg, vocab_size, schedule, dims, device)}\n"
@@ -378,6 +378,20 @@ def _attention_banner(cfg: JobConfig, vocab_size: int, device: torch.device) -> 
     return describe_run(cfg.model.attn_backend, Capabilities.probe(device),
                         _DTYPES[cfg.training.mixed_precision_param], shape.head_dim,
                         getattr(shape, "v_head_dim", 0) or None)
+
+
+def _head_chunks_banner(cfg: JobConfig, vocab_size: int, dims) -> str:
+    """How many head chunks the exchange runs at the longest stage (parallel/head_chunks.py)."""
+    from ..parallel.ulysses import describe_head_chunks
+    from .build import _DTYPES
+    from .config_checks import model_args
+
+    shape = model_args(cfg, vocab_size)
+    seq = cfg.context_schedule().max_seq_len
+    heads, kv = shape.n_heads // dims.tp, (getattr(shape, "n_kv_heads", 0) or shape.n_heads) // dims.tp
+    dv = getattr(shape, "v_head_dim", 0) or shape.head_dim
+    return describe_head_chunks(cfg.memory.head_chunks or None, seq // dims.ring, heads, kv, shape.head_dim, dv,
+                                dims.ulysses, _DTYPES[cfg.training.mixed_precision_param].itemsize)
 
 
 def _implementation_banner(cfg: JobConfig) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ulysses_dtensor.attention import FEATURES, check_backend, local_attention
+from ulysses_dtensor.attention import FEATURES, AttentionCall, check_backend, local_attention
 from ulysses_dtensor.attention.select import SUPPORTS
 from ulysses_dtensor.runtime.regions import in_region
 
@@ -159,6 +159,20 @@ class UlyssesCore(nn.Module):
             return _ring_core(q, k, v, self.ring_mesh, document_ids, scale, window, softcap, sinks)
         return local_attention(q, k, v, backend=self.backend, causal=True, document_ids=document_ids, scale=scale,
                                window=window, softcap=softcap, sinks=sinks)
+
+    def call_spec(self, document_ids: Tensor | None = None, scale: float | None = None, window: int | None = None,
+                  softcap: float | None = None):
+        """What ``forward`` computes but for its tensors: what head chunks run split into
+        forward and backward (:mod:`ulysses_dtensor.parallel.head_chunk_kernels`)."""
+        if self.ring_mesh is not None:
+            from ulysses_dtensor.parallel.head_chunk_kernels import RingCall
+            from ulysses_dtensor.parallel.ring import refused_pattern
+
+            for name, value in (("window", window), ("softcap", softcap)):
+                if value is not None:  # parallelize_hf_model refuses these models; a defence in depth
+                    raise ValueError(refused_pattern(name, value))
+            return RingCall(self.ring_mesh, True, scale, True, document_ids)
+        return AttentionCall(self.backend, True, scale, window, softcap, document_ids)
 
     def extra_repr(self) -> str:
         ring = f", ring={self.ring_mesh.size()}" if self.ring_mesh is not None else ""

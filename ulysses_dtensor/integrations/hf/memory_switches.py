@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ulysses_dtensor.memory.tiling import _tiles, auto_num_tiles, checkpointed_pieces
+from ulysses_dtensor.memory.tiling import _tiles, auto_num_tiles, checkpointed_pieces, tile_views
 from ulysses_dtensor.models.norm import rms_norm
 from ulysses_dtensor.parallel.tensor_parallel import sum_grad_over
 
@@ -79,8 +79,9 @@ class TiledPerToken:
         flat = hidden_states.reshape(1, tokens, d)
         name = self._sp_original.__name__
         if torch.is_grad_enabled():
+            views = tile_views(flat, tiles)
             parts = list(checkpointed_pieces(
-                block, len(tiles), lambda i: (flat.narrow(1, *tiles[i]),),
+                block, len(tiles), lambda i: (views[i],),
                 lambda out, k: _stand_in(out, k, tiles[0][1], name)))
         else:
             parts = [block(flat.narrow(1, start, length)) for start, length in tiles]

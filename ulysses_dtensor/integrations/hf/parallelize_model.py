@@ -44,10 +44,11 @@ from ulysses_dtensor.models.llama_parallelize import (
     needs_rng_replay,
     shard_model,
 )
+from ulysses_dtensor.parallel.head_chunks import recomputes_in_chunks
 from ulysses_dtensor.parallel.mesh import ParallelMesh
 from ulysses_dtensor.parallel.ring_layout import layout_position_ids
 from ulysses_dtensor.parallel.tensor_parallel import check_tp_heads, hf_tp_plan, tensor_parallelize
-from ulysses_dtensor.parallel.ulysses import UlyssesAttention, kv_replication
+from ulysses_dtensor.parallel.ulysses import UlyssesAttention, check_chunks_for_heads, kv_replication
 
 from .attention_function import (
     ATTN_IMPLEMENTATION,
@@ -131,6 +132,7 @@ def parallelize_hf_model(
     offload_params: bool = False,
     allow_untested: bool = False,
     save_attention: bool = False,
+    head_chunks: int | None = None,
 ) -> nn.Module:
     """Apply Ulysses SP, activation checkpointing, compile and FSDP2 to ``model`` in place.
 
@@ -165,6 +167,12 @@ def parallelize_hf_model(
             layer input under ``offload_activations`` (see ``parallelize_llama``;
             the ``sdpa`` backend's soft-cap / sinks path is not one kernel and is
             recomputed, with a warning).
+        head_chunks: the exchange and the attention kernel over chunks of a
+            rank's heads (see ``parallelize_llama``; None: from the shapes). A
+            call whose kernel has no split backward (soft-capping and sinks,
+            ``flex``, ``flash_attn``, ``cudnn`` with a mask) re-runs its
+            chunk's attention forward in backward, and under ``compile`` runs
+            outside the layer's graph (compiled with graph breaks allowed).
         allow_untested: skip the family check. By default a family must pass the
             family matrix for the installed transformers (:mod:`~ulysses_dtensor.integrations.hf.matrix.results`; a family
             it refused is refused with its reason), or, when the matrix has not measured
@@ -191,7 +199,7 @@ def parallelize_hf_model(
     name = type(model).__name__
     ring = getattr(pmesh.dims, "ring", 1)
     tp = getattr(pmesh.dims, "tp", 1)
-    layers, attentions, linear, status = _check_model(model, pmesh.dims.ulysses, allow_untested, tp)
+    layers, attentions, linear, status = _check_model(model, pmesh.dims.ulysses, allow_untested, tp, head_chunks)
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
     every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
@@ -239,7 +247,8 @@ def parallelize_hf_model(
     call = CallState()  # what each call's pre-hook learns, for the layers and post-hooks
     for attn in attentions:
         core = UlyssesCore(attn_backend, name, pmesh.dims.ulysses, pmesh.ring, call)
-        attn.ulysses = parallelize_module(core, pmesh.ulysses, UlyssesAttention(pack_qkv=pack_qkv))
+        attn.ulysses = parallelize_module(core, pmesh.ulysses,
+                                          UlyssesAttention(pack_qkv=pack_qkv, head_chunks=head_chunks))
     # Hybrid models: each token mixer (gated delta-net, Mamba, short convolution) exchanges
     # around its convolution + recurrence.
     for module, mixer in linear:
@@ -256,7 +265,8 @@ def parallelize_hf_model(
     # 2-3. Activation checkpointing (or the host-offloaded checkpoint), then compile around
     # it (in place: names unchanged). Offload wraps the compiled layer: its host copies
     # and side streams are not traceable, the layer is.
-    fullgraph = bool(getattr(model, "_can_compile_fullgraph", False))
+    fullgraph = bool(getattr(model, "_can_compile_fullgraph", False)) and not recomputes_in_chunks(
+        head_chunks, attn_backend, model_patterns(model.config.get_text_config(), attentions))
     model.offloader = HostOffloader() if offload_activations else None
     keep = attention_keeping(model, save_attention)
     rng = needs_rng_replay(model)  # dropout (LoRA's): recomputation replays forward's masks
@@ -291,7 +301,7 @@ def _valid_tokens(batch: int, seq: int, *, call: CallState, sp: int, sp_rank: in
 
 
 def _check_model(
-    model: nn.Module, sp: int, allow_untested: bool = False, tp: int = 1
+    model: nn.Module, sp: int, allow_untested: bool = False, tp: int = 1, head_chunks: int | None = 1
 ) -> tuple[nn.ModuleList, list[nn.Module], list[tuple], FamilyStatus]:
     """Refuse what Ulysses attention (``sp``: the ulysses degree) cannot run correctly,
     with ``tp`` ranks splitting the heads first; return the decoder layers, the
@@ -335,6 +345,7 @@ def _check_model(
             kv_replication(heads, kv_heads, sp)
     except ValueError as e:
         raise ValueError(f"{name}: {e}" if tp == 1 else str(e)) from None
+    check_chunks_for_heads(head_chunks, heads // tp, kv_heads // tp, sp, f"{name}: head_chunks")
 
     block_names = set(getattr(model, "_no_split_modules", None) or ())
     lists = decoder_layers(model)

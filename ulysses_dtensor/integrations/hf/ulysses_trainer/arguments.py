@@ -63,6 +63,9 @@ class UlyssesArguments:
     loss_chunks: int | None = field(default=1, metadata={
         "help": "Compute the head and the loss over this many sequence chunks, each recomputed in backward (tiled "
                 "loss); 1: at once. Set 0 for a count from the shapes."})
+    head_chunks: int | None = field(default=None, metadata={
+        "help": "Run the Ulysses exchange and attention over this many chunks of a rank's heads, forward and "
+                "backward (None or 0: one query head per chunk at long context, else none; 1: none)."})
     offload_activations: bool = field(default=False, metadata={
         "help": "Keep each checkpointed decoder layer's input in pinned host memory until backward (implies full "
                 "activation checkpointing)."})
@@ -98,6 +101,10 @@ class UlyssesArguments:
         if self.attn_backend not in BACKENDS:
             raise UlyssesTrainerError(
                 f"UlyssesArguments.attn_backend={self.attn_backend!r}; valid: {', '.join(BACKENDS)}")
+        if self.head_chunks is not None and (isinstance(self.head_chunks, bool) or not isinstance(self.head_chunks, int)
+                                             or self.head_chunks < 0):
+            raise UlyssesTrainerError(f"UlyssesArguments.head_chunks={self.head_chunks!r} must be >= 1, or 0 / None "
+                                      "for a count from the shapes")
         if self.loss_chunks is not None and (isinstance(self.loss_chunks, bool) or self.loss_chunks < 0):
             raise UlyssesTrainerError(
                 f"UlyssesArguments.loss_chunks={self.loss_chunks!r} must be >= 1, or 0 / None for a "
@@ -203,4 +210,5 @@ def parallelize_options(args, ulysses: UlyssesArguments, *, mixed_precision: str
         offload_activations=offload,
         offload_params=ulysses.offload_params,
         allow_untested=ulysses.allow_untested,
+        head_chunks=ulysses.head_chunks or None,
     )

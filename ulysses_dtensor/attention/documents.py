@@ -4,7 +4,9 @@ Packed documents are described by ``document_ids`` of shape ``(batch, seq)``. A
 document is a maximal run of equal ids inside a row (rows always end a
 document), so a dense mask, a flex block mask and varlen ``cu_seqlens`` all see
 the same segmentation. Pure tensor code: runs on any device, no host sync
-except where a Python int is asked for.
+except where a Python int is asked for. It sits in ``attention/``, the lowest
+block that needs it, so that the kernels, the exchange and ring (``parallel/``),
+the batch slicing and the token mixers all import it downward.
 """
 
 from __future__ import annotations
