@@ -11,8 +11,9 @@ Order (:func:`plan_variants`): the kernel ``auto`` picks, full AC then
 piece; then the backends that compile (flex), last, as their first call compiles
 cold. A backend whose forward dispatched, in the env piece, to the same kernel as
 one already in the list (our ``sdpa`` on Hopper is cuDNN, what ``auto`` picks) is
-not measured again, and the plan says so. To add a variant (a head-chunked
-attention, say), add a :class:`Variant` to :data:`EXTRA_VARIANTS`.
+not measured again, and the plan says so. Then `auto` without head chunks, where the
+shape's default runs them. To add a variant, add a :class:`Variant` to
+:data:`EXTRA_VARIANTS`.
 
 A variant is started only if it is expected to finish within what is left of the
 piece's time: its cost is estimated from the first variant's cost per layer count.
@@ -54,20 +55,45 @@ class Variant:
         return f"{kernel} / {ac}" + (f" / {self.label}" if self.label else "")
 
 
-# Variants after the backends' own (issue 49's head-chunked attention goes here).
-EXTRA_VARIANTS: tuple[Variant, ...] = ()
+# At the kit's GPU shapes `auto` runs head chunks (one query head per chunk: the exchanged
+# working set passes parallel/head_chunks.AUTO_MIN_BYTES), so the variant that prices them is
+# the same kernel with none. Where the shape's default runs none it would repeat `auto`.
+NO_HEAD_CHUNKS = Variant("auto", argv=("--head-chunks", "1"), label="no head chunks")
+
+# Variants after the backends' own, before the compiling ones.
+EXTRA_VARIANTS: tuple[Variant, ...] = (NO_HEAD_CHUNKS,)
 
 
-def plan_variants(env: dict, device_type: str) -> tuple[list[Variant], dict[str, str]]:
-    """The variants to measure, in order, and the backends left out with the reason."""
+def auto_head_chunks(shape: dict, sp: int = 8) -> int:
+    """The head chunks ``bench_train.py`` runs at ``shape`` when none is named (bf16)."""
+    from bench_train import parse_override, parse_size
+
+    from ulysses_dtensor.models.llama import llama_args
+    from ulysses_dtensor.parallel.head_chunks import resolve_head_chunks
+
+    args = llama_args(shape["flavor"], **dict(parse_override(o) for o in shape["overrides"]))
+    kv = max(args.n_kv_heads, sp) // sp  # kv heads are replicated up to sp
+    return resolve_head_chunks(None, 1, parse_size(shape["local_seq"]) * sp, args.n_heads // sp, kv,
+                               args.head_dim, args.head_dim, 2)
+
+
+def plan_variants(env: dict, device_type: str, auto_chunks: int | None = None
+                  ) -> tuple[list[Variant], dict[str, str]]:
+    """The variants to measure, in order, and the backends left out with the reason.
+    ``auto_chunks``: the head chunks ``auto`` runs at the shape (1: the no-chunks variant
+    would repeat it, and is left out)."""
     auto_is = env.get("auto")
     kernels = env.get("kernels") or {}
     variants = [Variant("auto"), Variant("auto", save_attention=True)]
     left_out: dict[str, str] = {}
+    extra = list(EXTRA_VARIANTS)
+    if auto_chunks == 1 and NO_HEAD_CHUNKS in extra:
+        extra.remove(NO_HEAD_CHUNKS)
+        left_out[NO_HEAD_CHUNKS.label] = "auto runs no head chunks at this shape (a small working set): it is auto"
     if not kernels:
         left_out["other kernels"] = ("env.json has no kernel trials (the env piece did not get that far): "
                                      "which kernels run here is unknown")
-        return variants + list(EXTRA_VARIANTS), left_out
+        return variants + extra, left_out
     backends = list(env.get("backends") or kernels)
     order = [b for b in ("varlen",) if b in backends]
     order += [b for b in backends if b not in ("auto", "varlen") and b not in COMPILES]
@@ -91,7 +117,7 @@ def plan_variants(env: dict, device_type: str) -> tuple[list[Variant], dict[str,
             variants.append(Variant(b))
     # Extra variants before the compiling backends (flex stays last).
     n_plain = next((i for i, v in enumerate(variants) if v.kernel in COMPILES), len(variants))
-    return variants[:n_plain] + list(EXTRA_VARIANTS) + variants[n_plain:], left_out
+    return variants[:n_plain] + extra + variants[n_plain:], left_out
 
 
 def bench_argv(shape: dict, device, kernel: str, layers: list[int], *, save_attention: bool,
@@ -148,7 +174,7 @@ def piece_shape(args) -> int:
     out = args.out / f"shape_{args.shape}.jsonl"
     env = load_env(args.out)
     auto_is = env.get("auto")
-    variants, left_out = plan_variants(env, device.type)
+    variants, left_out = plan_variants(env, device.type, auto_head_chunks(shape))
     fit = shape["fit"]
     layers_of = {v: fit if (v.kernel, v.ac) == ("auto", "full") else fit[:2] for v in variants}
     append(out, {"plan": {"shape": args.shape, "title": shape["title"], "tiny": tiny_mode(args), "auto_is": auto_is,

@@ -181,14 +181,14 @@ HOPPER_ENV = {
 
 def test_variants_follow_auto_then_varlen_then_flex_and_skip_a_kernel_measured_already():
     variants, left_out = plan_variants(HOPPER_ENV, "cuda")
-    assert [v.name("cudnn") for v in variants] == [AUTO, SAVED, VARLEN, "flex / full AC"]
+    assert [v.name("cudnn") for v in variants] == [AUTO, SAVED, VARLEN, f"{AUTO} / no head chunks", "flex / full AC"]
     assert left_out["sdpa"] == ("dispatches to the same kernel as auto (cudnn) "
                                 "(aten::_scaled_dot_product_cudnn_attention): not measured twice")
     assert left_out["cudnn"].startswith("what `auto` runs here")
     assert left_out["flash_attn"] == "does not run here: ImportError: needs the flash-attn package"
-    # Without the env piece's trials: auto's two variants only, and the reason.
+    # Without the env piece's trials: auto's variants only (with and without head chunks), and the reason.
     variants, left_out = plan_variants({}, "cuda")
-    assert [v.name() for v in variants] == ["auto / full AC", "auto / save_attention"]
+    assert [v.name() for v in variants] == ["auto / full AC", "auto / save_attention", "auto / full AC / no head chunks"]
     assert "which kernels run here is unknown" in left_out["other kernels"]
 
 
@@ -199,6 +199,21 @@ def test_an_extra_variant_goes_before_the_compiling_kernels(monkeypatch):
     monkeypatch.setattr(_gpu_perf_shape, "EXTRA_VARIANTS", (chunked,))
     variants, _ = plan_variants(HOPPER_ENV, "cuda")
     assert [v.name("cudnn") for v in variants][-2:] == ["auto (cudnn) / full AC / head chunks 4", "flex / full AC"]
+
+
+def test_the_kit_prices_head_chunks_where_auto_runs_them():
+    # At both GPU shapes `auto` resolves to one query head per chunk, so the kit's
+    # "no head chunks" variant (the same kernel, --head-chunks 1) is the comparison that prices them.
+    # On the CPU smoke run's tiny shapes it runs none, so the variant would repeat auto: left out.
+    from _gpu_perf_common import SHAPES, TINY_SHAPES
+    from _gpu_perf_shape import EXTRA_VARIANTS, auto_head_chunks
+
+    assert [(v.kernel, v.argv) for v in EXTRA_VARIANTS] == [("auto", ("--head-chunks", "1"))]
+    assert {name: auto_head_chunks(shape) for name, shape in SHAPES.items()} == {"llama": 4, "qwen": 4}
+    assert {name: auto_head_chunks(shape) for name, shape in TINY_SHAPES.items()} == {"llama": 1, "qwen": 1}
+    variants, left_out = plan_variants(HOPPER_ENV, "cuda", auto_chunks=1)
+    assert [v.name("cudnn") for v in variants] == [AUTO, SAVED, VARLEN, "flex / full AC"]
+    assert left_out["no head chunks"].startswith("auto runs no head chunks at this shape")
 
 
 def test_cost_model_scales_the_first_variant_by_layer_count():

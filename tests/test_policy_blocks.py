@@ -1,5 +1,5 @@
 """The library blocks for policy-gradient and preference losses in a loop of your own
-(:mod:`ulysses_dtensor.parallel.token_logprobs`, ``.sequence_values``, ``.policy_loss``),
+(:mod:`ulysses_dtensor.memory.token_logprobs`, ``.sequence_values``, ``.policy_loss``),
 the packing of padded rows TRL's trainers hand over, and the GRPO planner's refusal.
 
 * per-token values are those of ``log_softmax`` (log-probability, entropy, ``log sum
@@ -27,7 +27,7 @@ from distributed import run_ranks
 from ulysses_dtensor.integrations.trl.sp_logprobs import PackedRows
 from ulysses_dtensor.parallel.policy_loss import grpo_loss
 from ulysses_dtensor.parallel.sequence_values import sp_gather_tokens, sp_sequence_means, sp_sequence_sums
-from ulysses_dtensor.parallel.token_logprobs import TOKEN_FIELDS, chunked_token_stats, token_stats
+from ulysses_dtensor.memory.token_logprobs import TOKEN_FIELDS, chunked_token_stats, token_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -116,7 +116,7 @@ def _token_values(model, sp_mesh, batch: dict, fields: tuple, chunks, vocab: int
     """What the GRPO trainer computes of a model (:class:`~ulysses_dtensor.integrations.trl.sp_logprobs.SPLogProbs`):
     per-token values gathered to whole sequences, and the router loss share (or None)."""
     from ..parallel.sequence_values import sp_gather_tokens
-    from ..parallel.token_logprobs import chunked_token_stats
+    from ..memory.token_logprobs import chunked_token_stats
 
     labels = batch["labels"]
 

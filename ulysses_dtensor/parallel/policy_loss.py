@@ -2,7 +2,7 @@
 whole sequences: for a training loop of your own under sequence parallelism.
 
 Under SP each rank computes its tokens' log-probabilities
-(:func:`~ulysses_dtensor.parallel.token_logprobs.chunked_token_stats`) and joins them
+(:func:`~ulysses_dtensor.memory.token_logprobs.chunked_token_stats`) and joins them
 into whole sequences (:func:`~ulysses_dtensor.parallel.sequence_values.sp_gather_tokens`:
 every sp rank holds them, its gradient flowing into its own tokens). This function then
 computes the loss of those whole sequences -- the same value on every sp rank -- with

@@ -5,7 +5,7 @@ Policy-gradient and preference losses are functions of whole sequences: a sequen
 log-probability is the sum over all its tokens, GRPO normalises by each sequence's
 token count, GSPO's importance ratio is a per-sequence mean. Under sequence
 parallelism each rank holds the per-token values of its slice
-(:mod:`~ulysses_dtensor.parallel.token_logprobs`); these blocks join them.
+(:mod:`~ulysses_dtensor.memory.token_logprobs`); these blocks join them.
 
 The convention is **whole values, own gradients**: every sp rank of a group gets the
 same whole value (the sum, or the gathered sequence), but its gradient flows only into

@@ -42,7 +42,7 @@ parameter names stay the checkpoint's. transformers' own forward stays
   rank's share of that mean (for the metric).
 * ``model(ids, ..., token_values=fn, router_aux=...)``: no loss but ``fn(hidden, head)``
   computed inside the head's call (per-token log-probabilities for policy-gradient
-  and preference losses, :mod:`~ulysses_dtensor.parallel.token_logprobs`), and the
+  and preference losses, :mod:`~ulysses_dtensor.memory.token_logprobs`), and the
   router loss share when asked.
 """
 

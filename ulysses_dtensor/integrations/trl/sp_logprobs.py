@@ -13,7 +13,7 @@ same fields, computed here:
 2. the packed row is padded to a multiple of sp and sliced (``shard_hf_batch``), the
    model runs on this rank's slice (Ulysses attention, hybrid mixers, MoE routers,
    memory switches), and the head computes the per-token values chunk by chunk
-   (:func:`~ulysses_dtensor.parallel.token_logprobs.chunked_token_stats`);
+   (:func:`~ulysses_dtensor.memory.token_logprobs.chunked_token_stats`);
 3. the values are gathered back to whole sequences on every sp rank
    (:func:`~ulysses_dtensor.parallel.sequence_values.sp_gather_tokens`: own gradients)
    and laid out as TRL's ``(batch, seq - 1)`` tensors, 0 where no label.
@@ -35,7 +35,7 @@ from torch import Tensor
 from ulysses_dtensor.parallel.fsdp_reset import reset_fsdp
 from ulysses_dtensor.parallel.loss import IGNORE_INDEX
 from ulysses_dtensor.parallel.sequence_values import own_gradient, sp_gather_tokens
-from ulysses_dtensor.parallel.token_logprobs import chunked_token_stats
+from ulysses_dtensor.memory.token_logprobs import chunked_token_stats
 
 from ..hf.attention_function import DOCUMENT_IDS_KWARG
 from ..hf.ulysses_trainer.refusals import UlyssesTrainerError
@@ -118,7 +118,7 @@ class SPLogProbs:
     """Called by TRL as its fused-head model: ``(input_ids, attention_mask, labels,
     fused_lm_head=True[, output_router_logits])`` -> :class:`TokenOutputs`. ``lm``: the
     model under SP with :func:`~ulysses_dtensor.integrations.hf.adapt_causal_lm`'s
-    interface; ``fields``: which of :data:`~ulysses_dtensor.parallel.token_logprobs.TOKEN_FIELDS`
+    interface; ``fields``: which of :data:`~ulysses_dtensor.memory.token_logprobs.TOKEN_FIELDS`
     to compute (``log_probs`` always); ``temperature`` divides the logits (GRPO's
     sampling temperature); ``chunks``: the head's sequence chunks (None: from the shapes)."""
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..memory.tiling import auto_loss_chunks, checkpointed_pieces
-from .loss import IGNORE_INDEX
+from .tiling import auto_loss_chunks, checkpointed_pieces
+from ..parallel.loss import IGNORE_INDEX
 
 __all__ = ["TOKEN_FIELDS", "chunked_token_stats", "token_stats"]
 
