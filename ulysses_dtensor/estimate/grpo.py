@@ -46,6 +46,7 @@ from .trace import (
     _private_sharding_prop_fake_mode,
     _Trace,
     _vocab_size,
+    steady_optimizer,
 )
 from .tracker import _classifier, _make_tracker_cls
 
@@ -166,12 +167,8 @@ def _trace_grpo_step(cfg, world_size: int, *, rows: int, micro: int, device: str
                 router = getattr(model, "_router_aux", None) is not None
                 if router:
                     edges = False  # transformers records each MoE tile's router logits through hooks
-                optimizer = build_optimizer(cfg, model, foreach=foreach)
+                optimizer = steady_optimizer(build_optimizer(cfg, model, foreach=foreach), model)
                 params = [p for p in model.parameters() if p.requires_grad]
-                for p in params:
-                    p.grad = torch.zeros_like(p)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
                 batch = {"input_ids": torch.zeros(rows, s_local, dtype=torch.long),
                          "labels": torch.zeros(rows, s_local, dtype=torch.long),
                          "position_ids": torch.arange(s_local).repeat(rows, 1)}

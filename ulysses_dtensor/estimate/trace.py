@@ -158,13 +158,8 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
                     # transformers records each MoE tile's router logits for the router loss
                     # through hooks, which a skipped tile would not run.
                     edges = False
-                optimizer = build_optimizer(cfg, model, foreach=foreach)
-                # Steady state: the optimizer state exists before the traced step.
+                optimizer = steady_optimizer(build_optimizer(cfg, model, foreach=foreach), model)
                 params = [p for p in model.parameters() if p.requires_grad]
-                for p in params:
-                    p.grad = torch.zeros_like(p)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
 
                 batch = {
                     "input_ids": torch.zeros(rows, s_local, dtype=torch.long),
@@ -212,6 +207,17 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
         host_phase_peaks=dict(tracker.host_phase_peaks),
         attention=dict(attention),
     )
+
+
+def steady_optimizer(optimizer, model):
+    """``optimizer`` after one step on zero gradients: its state exists before the traced
+    step, as in every step but the first."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
 
 
 def _largest_shard_group_bytes(model) -> int:
