@@ -167,11 +167,8 @@ def _random_documents(seq: int, seed: int) -> torch.Tensor:
 
 
 def ring_rows(rank, mesh, a, device, emit) -> None:
-    from ulysses_dtensor.parallel.ring import (
-        _pair_kernels,
-        layout_indices,
-        ring_attention,
-    )
+    from ulysses_dtensor.parallel.ring import layout_indices, ring_attention
+    from ulysses_dtensor.parallel.ring_steps import _pair_kernels
 
     ring, seq = mesh.size(), a.seq
     order = layout_indices(seq, ring).to(device)
