@@ -18,9 +18,31 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
 
+# The files that take longest, longest first (worker-seconds on 2 cores; the full suite,
+# then the quick tier). pytest-xdist (--dist loadfile) hands whole files to its workers in
+# collection order: the long ones go first and the short ones fill in at the end, where
+# one long file last would leave the other core idle for its whole run.
+LONGEST_FIRST = {
+    "full": ["test_estimate.py", "test_restarts.py", "test_hf_trainer.py", "test_estimate_speed.py",
+             "test_parallelize.py", "test_gpu_perf.py", "test_lora.py", "test_trainer_transformers.py",
+             "test_train.py", "test_benchmarks.py", "test_known_errors.py", "test_head_chunks.py",
+             "test_estimate_grpo.py", "test_trl_grpo.py", "test_trl_dpo.py"],
+    "quick": ["test_hf_linear_attention.py", "test_data_checks.py", "test_hf_integration.py",
+              "test_estimate_speed.py", "test_hf_memory.py", "test_docs.py", "test_attention.py",
+              "test_tensor_parallel.py", "test_hf_trainer.py", "test_ring.py", "test_trainer_transformers.py"],
+}
+
+
+def _longest_first(config, items) -> None:
+    tier = "quick" if (config.option.markexpr or "").strip() == "quick" else "full"
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST[tier])}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+
+
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect anything: the check sees every test
 def pytest_collection_modifyitems(config, items):
-    """Mark the quick tier (tests/quick_tier.py); an entry naming no test is an error."""
+    """Mark the quick tier (tests/quick_tier.py); an entry naming no test is an error. Then
+    the files that take longest first (:data:`LONGEST_FIRST`)."""
     from quick_tier import TESTS, WHOLE_FILES
 
     found = set()
@@ -40,6 +62,7 @@ def pytest_collection_modifyitems(config, items):
     stale += [name for name in sorted(WHOLE_FILES | TESTS.keys()) if not os.path.exists(os.path.join(here, name))]
     if stale:
         raise pytest.UsageError(f"tests/quick_tier.py names tests that do not exist: {stale}")
+    _longest_first(config, items)
 
 
 def pytest_collection_finish(session):
