@@ -197,3 +197,19 @@ def test_cli_states_the_precision_and_the_binding_ceiling(capsys):
     assert res["best"]["host_bytes"] <= 0.02 * GIB and res["host_budget_gib"] == 0.02
     assert main(args + ["--precision", "0"]) == 2
     assert "--precision" in capsys.readouterr().err
+
+
+def test_a_peaks_split_carried_to_full_depth_never_outgrows_the_peak():
+    # 4 and 6 layers: at the first trace's peak an all-to-all buffer is alive, at the
+    # second's a projection instead. A line per kind to 36 layers runs negative for one;
+    # the parts must still sum to the carried whole, none below zero.
+    from ulysses_dtensor.estimate.trace import _lin_split
+
+    w = (36 - 4) / (6 - 4)
+    four, six = {"a2a": 10, "attn_proj": 2, "mlp": 5}, {"a2a": 4, "attn_proj": 9, "mlp": 6}
+    whole = sum(four.values()) + (sum(six.values()) - sum(four.values())) * w
+    split = _lin_split(four, six, w)
+    assert min(split.values()) >= 0 and abs(sum(split.values()) - whole) <= len(split)
+    assert split == {k: round(v * whole / sum(six.values())) for k, v in six.items()}
+    # Where every line stays positive it is the line itself.
+    assert _lin_split({"a": 1, "b": 2}, {"a": 2, "b": 3}, 3.0) == {"a": 4, "b": 5}

@@ -241,6 +241,19 @@ def _lin_dict(a: dict, b: dict, w: float) -> dict:
     return {k: max(0, round(a.get(k, 0) + (b.get(k, 0) - a.get(k, 0)) * w)) for k in keys}
 
 
+def _lin_split(a: dict, b: dict, w: float) -> dict:
+    """A peak's split (by category, by kind) carried to ``w`` like its total. Where the two
+    traces' peaks hold different tensors (one kind alive at one trace's peak, another at the
+    other's), a line per key runs negative far out, and clamping it would make the parts
+    outgrow the whole: the deeper trace's shares of the carried total stand in then."""
+    keys = set(a) | set(b)
+    raw = {k: a.get(k, 0) + (b.get(k, 0) - a.get(k, 0)) * w for k in keys}
+    if min(raw.values(), default=0) >= 0:
+        return {k: round(v) for k, v in raw.items()}
+    whole, base = sum(raw.values()), sum(b.values())
+    return {k: round(v * whole / base) for k, v in b.items()} if base > 0 else {}
+
+
 def _extrapolate(t1: _Trace, t2: _Trace, n_layers: int) -> _Trace:
     """Each phase's peak, categories and kinds: linear in the layer count."""
     w = (n_layers - t1.n_layers) / (t2.n_layers - t1.n_layers)
@@ -249,8 +262,8 @@ def _extrapolate(t1: _Trace, t2: _Trace, n_layers: int) -> _Trace:
         p1, p2 = t1.phase_peaks[ph], t2.phase_peaks[ph]
         phases[ph] = {
             "total": round(p1["total"] + (p2["total"] - p1["total"]) * w),
-            "cats": _lin_dict(p1["cats"], p2["cats"], w),
-            "kinds": _lin_dict(p1["kinds"], p2["kinds"], w),
+            "cats": _lin_split(p1["cats"], p2["cats"], w),
+            "kinds": _lin_split(p1["kinds"], p2["kinds"], w),
         }
     bounds = {
         ph: _lin_dict(t1.boundaries[ph], t2.boundaries[ph], w)
