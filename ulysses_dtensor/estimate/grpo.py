@@ -29,7 +29,6 @@ extrapolation in the layer count and loops at their edge pieces;
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -46,9 +45,12 @@ from .trace import (
     _private_sharding_prop_fake_mode,
     _Trace,
     _vocab_size,
+    edge_loops,
     steady_optimizer,
+    step_tracker,
+    trace_of,
+    traced_model,
 )
-from .tracker import _classifier, _make_tracker_cls
 
 __all__ = ["GRPOStep", "grpo_plan", "prepare_grpo"]
 
@@ -60,17 +62,10 @@ class GRPOStep(_Step):
     reference: bool = True  # beta > 0 (with LoRA: the policy with its adapter off)
     old_policy: bool = False  # num_iterations > 1
 
-    def trace(self, n_layers: int | None = None) -> _Trace:
-        cfg = self.cfg
-        if n_layers is not None and n_layers != self.n_layers:
-            cfg = copy.deepcopy(cfg)
-            cfg.model.n_layers = n_layers
-        trace = _trace_grpo_step(cfg, self.world_size, rows=self.traced_rows, micro=self.micro, device=self.device,
-                                 foreach=self.foreach, edges=self.edges, target=self.target,
-                                 reference=self.reference, old_policy=self.old_policy)
-        if trace.n_layers >= self.attention_layers:
-            self.attention, self.attention_layers = trace.attention, trace.n_layers
-        return trace
+    def _trace_cfg(self, cfg) -> _Trace:
+        return _trace_grpo_step(cfg, self.world_size, rows=self.traced_rows, micro=self.micro, device=self.device,
+                                foreach=self.foreach, edges=self.edges, target=self.target,
+                                reference=self.reference, old_policy=self.old_policy)
 
 
 def prepare_grpo(cfg, world_size, seq_len, *, reference: bool = True, old_policy: bool = False, **kwargs) -> GRPOStep:
@@ -136,9 +131,7 @@ def _trace_grpo_step(cfg, world_size: int, *, rows: int, micro: int, device: str
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..attention.planning import PlannedKernelError, planning_for
-    from ..memory.tiling import edge_pieces_only
     from ..models.llama_parallelize import clip_grad_norm_
-    from ..trainer.build import build_model
     from ..trainer.config import ConfigError, model_args, validate_config
     from ..trainer.step import build_optimizer
 
@@ -156,14 +149,10 @@ def _trace_grpo_step(cfg, world_size: int, *, rows: int, micro: int, device: str
             pmesh = dims.build_mesh("cpu")
             with FakeTensorMode(allow_non_fake_inputs=True), _private_sharding_prop_fake_mode(), \
                     _meshes_outside_fake_mode():
-                model = build_model(cfg, pmesh, vocab, torch.device("cpu"), init_weights=False, args=args)
+                model = traced_model(cfg, pmesh, vocab, args, device)
                 ref = None
                 if reference and cfg.lora.rank == 0:
-                    ref = build_model(_reference_config(cfg), pmesh, vocab, torch.device("cpu"), init_weights=False,
-                                      args=args).requires_grad_(False)
-                for m in (model, ref):
-                    if m is not None and getattr(m, "offloader", None) is not None and device == "cuda":
-                        m.offloader.host_device = torch.device("meta")  # host copies: counted as host memory
+                    ref = traced_model(_reference_config(cfg), pmesh, vocab, args, device).requires_grad_(False)
                 router = getattr(model, "_router_aux", None) is not None
                 if router:
                     edges = False  # transformers records each MoE tile's router logits through hooks
@@ -172,7 +161,6 @@ def _trace_grpo_step(cfg, world_size: int, *, rows: int, micro: int, device: str
                 batch = {"input_ids": torch.zeros(rows, s_local, dtype=torch.long),
                          "labels": torch.zeros(rows, s_local, dtype=torch.long),
                          "position_ids": torch.arange(s_local).repeat(rows, 1)}
-                host_state = mem.offload_params and device == "cuda"
                 # The tracker follows one FSDP tree (the policy); what the reference runs is
                 # allocated under it and counted, its shards (made before) are added below. FSDP2
                 # re-creates a tree's shards at its first forward: done here, out of the tracker's sight.
@@ -180,21 +168,16 @@ def _trace_grpo_step(cfg, world_size: int, *, rows: int, micro: int, device: str
                 if ref is not None:
                     ref._get_fsdp_state()._lazy_init()
                     ref_shards = sum(_local_bytes(t) for t in (*ref.parameters(), *ref.buffers()))
-                tracker = _make_tracker_cls()(
-                    model, optimizer, classify=_classifier(vocab, args.ffn_dim, args.dim, ring=dims.ring > 1),
-                    device=torch.device("cpu"), gpu_workspace=device == "cuda", host_state=host_state, staging=0)
+                tracker = step_tracker(model, optimizer, cfg, args, vocab, dims, device)
                 tracker.track_inputs((batch["input_ids"], batch["labels"], batch["position_ids"]))
-                with tracker, (edge_pieces_only() if edges else contextlib.nullcontext()):
+                with tracker, edge_loops(edges):
                     _grpo_step(model, ref, pmesh.sp, optimizer, params, batch, micro, reference, old_policy, chunks,
                                vocab, router, cfg, tracker.set_phase, clip_grad_norm_)
                 del model, ref, optimizer, params, batch
     except PlannedKernelError as e:
         raise ConfigError(f"model.attn_backend={cfg.model.attn_backend!r}: {e}") from None
-    trace = _Trace(n_layers=args.n_layers, phase_peaks=tracker.phase_peaks, boundaries=tracker.boundaries,
-                   host_peak=tracker.host_peak, seconds=time.perf_counter() - t0, host_fixed=tracker.host_state_peak,
-                   ops=tracker.ops, edges=edges, host_phase_peaks=dict(tracker.host_phase_peaks),
-                   attention=dict(attention))
-    return _with_reference_shards(trace, ref_shards, on_host=host_state)
+    trace = trace_of(tracker, args.n_layers, time.perf_counter() - t0, edges, attention)
+    return _with_reference_shards(trace, ref_shards, on_host=mem.offload_params and device == "cuda")
 
 
 def _local_bytes(t) -> int:

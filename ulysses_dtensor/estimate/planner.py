@@ -119,11 +119,15 @@ class _Step:
         if n_layers is not None and n_layers != self.n_layers:
             cfg = copy.deepcopy(cfg)
             cfg.model.n_layers = n_layers
-        trace = _trace_step(cfg, self.world_size, rows=self.traced_rows, micro=self.micro, device=self.device,
-                            foreach=self.foreach, edges=self.edges, target=self.target)
+        trace = self._trace_cfg(cfg)
         if trace.n_layers >= self.attention_layers:
             self.attention, self.attention_layers = trace.attention, trace.n_layers
         return trace
+
+    def _trace_cfg(self, cfg) -> _Trace:
+        """One traced step of ``cfg`` (a subclass traces another kind of step)."""
+        return _trace_step(cfg, self.world_size, rows=self.traced_rows, micro=self.micro, device=self.device,
+                           foreach=self.foreach, edges=self.edges, target=self.target)
 
 
 def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges, target=None) -> _Step:

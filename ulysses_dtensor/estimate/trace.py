@@ -119,10 +119,7 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..attention.planning import PlannedKernelError, default_target, planning_for
-    from ..memory.tiling import edge_pieces_only
-    from ..parallel.head_chunks import edge_chunks_only
     from ..parallel.loss import count_valid_tokens
-    from ..trainer.build import build_model
     from ..trainer.config import ConfigError, model_args, validate_config
     from ..trainer.step import build_optimizer, train_step
 
@@ -147,13 +144,7 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
             pmesh = dims.build_mesh("cpu")  # before fake mode: flattening reads real tensors
             with FakeTensorMode(allow_non_fake_inputs=True), _private_sharding_prop_fake_mode(), \
                     _meshes_outside_fake_mode():
-                # Weight values do not matter for memory, and the init needs real data.
-                model = build_model(cfg, pmesh, vocab, torch.device("cpu"), init_weights=False, args=args)
-                offloader = getattr(model, "offloader", None)
-                if offloader is not None and device == "cuda":
-                    # Host copies on "meta": free on the traced device, counted as host memory.
-                    # (Planning for CPU keeps the trainer's CPU path: a copy in the same memory.)
-                    offloader.host_device = torch.device("meta")
+                model = traced_model(cfg, pmesh, vocab, args, device)
                 if getattr(model, "_router_aux", None) is not None:
                     # transformers records each MoE tile's router logits for the router loss
                     # through hooks, which a skipped tile would not run.
@@ -168,19 +159,9 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
                     "document_ids": None,
                 }
                 n_valid = count_valid_tokens(batch["labels"], pmesh.loss)
-                host_state = cfg.memory.offload_params and device == "cuda"
-                tracker = _make_tracker_cls()(
-                    model,
-                    optimizer,
-                    classify=_classifier(vocab, args.ffn_dim, args.dim, ring=dims.ring > 1),
-                    device=torch.device("cpu"),
-                    gpu_workspace=device == "cuda",
-                    host_state=host_state,
-                    staging=_largest_shard_group_bytes(model) if host_state else 0,
-                )
+                tracker = step_tracker(model, optimizer, cfg, args, vocab, dims, device)
                 tracker.track_inputs((batch["input_ids"], batch["labels"], batch["position_ids"]))
-                with tracker, (edge_pieces_only() if edges else contextlib.nullcontext()), \
-                        (edge_chunks_only() if edges else contextlib.nullcontext()):
+                with tracker, edge_loops(edges):
                     train_step(
                         model,
                         optimizer,
@@ -195,12 +176,58 @@ def _trace_step(cfg, world_size: int, *, rows: int, micro: int, device: str, for
                 del model, optimizer, params, batch
     except PlannedKernelError as e:
         raise ConfigError(f"model.attn_backend={cfg.model.attn_backend!r}: {e}") from None
+    return trace_of(tracker, args.n_layers, time.perf_counter() - t0, edges, attention)
+
+
+def traced_model(cfg, pmesh, vocab: int, args, device: str):
+    """The model of ``cfg`` as the trainer builds it, on fake tensors (weight values do not
+    matter for memory, and the init needs real data)."""
+    from ..trainer.build import build_model
+
+    model = build_model(cfg, pmesh, vocab, torch.device("cpu"), init_weights=False, args=args)
+    offloader = getattr(model, "offloader", None)
+    if offloader is not None and device == "cuda":
+        # Host copies on "meta": free on the traced device, counted as host memory.
+        # (Planning for CPU keeps the trainer's CPU path: a copy in the same memory.)
+        offloader.host_device = torch.device("meta")
+    return model
+
+
+def step_tracker(model, optimizer, cfg, args, vocab: int, dims, device: str):
+    """The memory tracker of one traced step of ``model``: with ``offload_params`` on a GPU
+    the parameter state is host memory, and each all-gather's staging copy is added."""
+    host_state = cfg.memory.offload_params and device == "cuda"
+    return _make_tracker_cls()(
+        model,
+        optimizer,
+        classify=_classifier(vocab, args.ffn_dim, args.dim, ring=dims.ring > 1),
+        device=torch.device("cpu"),
+        gpu_workspace=device == "cuda",
+        host_state=host_state,
+        staging=_largest_shard_group_bytes(model) if host_state else 0,
+    )
+
+
+def edge_loops(edges: bool):
+    """Loops over the sequence and over head chunks run at their edges (``edges``), or whole."""
+    from ..memory.tiling import edge_pieces_only
+    from ..parallel.head_chunks import edge_chunks_only
+
+    stack = contextlib.ExitStack()
+    if edges:
+        stack.enter_context(edge_pieces_only())
+        stack.enter_context(edge_chunks_only())
+    return stack
+
+
+def trace_of(tracker, n_layers: int, seconds: float, edges: bool, attention) -> _Trace:
+    """What a traced step's tracker recorded, as a :class:`_Trace`."""
     return _Trace(
-        n_layers=args.n_layers,
+        n_layers=n_layers,
         phase_peaks=tracker.phase_peaks,
         boundaries=tracker.boundaries,
         host_peak=tracker.host_peak,
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
         host_fixed=tracker.host_state_peak,
         ops=tracker.ops,
         edges=edges,
