@@ -66,15 +66,13 @@ EXTRA_VARIANTS: tuple[Variant, ...] = (NO_HEAD_CHUNKS,)
 
 def auto_head_chunks(shape: dict, sp: int = 8) -> int:
     """The head chunks ``bench_train.py`` runs at ``shape`` when none is named (bf16)."""
+    from _train_record import run_head_chunks
     from bench_train import parse_override, parse_size
 
     from ulysses_dtensor.models.llama import llama_args
-    from ulysses_dtensor.parallel.head_chunks import resolve_head_chunks
 
     args = llama_args(shape["flavor"], **dict(parse_override(o) for o in shape["overrides"]))
-    kv = max(args.n_kv_heads, sp) // sp  # kv heads are replicated up to sp
-    return resolve_head_chunks(None, 1, parse_size(shape["local_seq"]) * sp, args.n_heads // sp, kv,
-                               args.head_dim, args.head_dim, 2)
+    return run_head_chunks(None, 1, parse_size(shape["local_seq"]) * sp, args, sp, 2)
 
 
 def plan_variants(env: dict, device_type: str, auto_chunks: int | None = None

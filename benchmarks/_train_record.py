@@ -58,13 +58,19 @@ def recomputed_blocks(a, n_layers: int) -> int:
     return 0  # none; selective "op" saves the all-to-all outputs
 
 
+def run_head_chunks(setting, batch: int, seq: int, args, sp: int, element_size: int) -> int:
+    """The head chunks a run of our Llama ``args`` on ``sp`` ranks resolves to (1 without SP)."""
+    if sp <= 1:
+        return 1
+    kv = args.n_kv_heads * kv_replication(args.n_heads, args.n_kv_heads, sp)
+    return resolve_head_chunks(setting, batch, seq, args.n_heads // sp, kv // sp, args.head_dim, args.head_dim,
+                               element_size)
+
+
 def expected_a2a(a, args, seq: int, sp: int, element_size: int) -> dict:
     n = args.n_layers
-    chunks = 1
-    if sp > 1:  # the head chunks the run resolves to (backward sends the output again with them)
-        kv = args.n_kv_heads * kv_replication(args.n_heads, args.n_kv_heads, sp)
-        chunks = resolve_head_chunks(getattr(a, "head_chunks", None), a.batch, seq, args.n_heads // sp, kv // sp,
-                                     args.head_dim, args.head_dim, element_size)
+    # The head chunks the run resolves to (backward sends the output again with them).
+    chunks = run_head_chunks(getattr(a, "head_chunks", None), a.batch, seq, args, sp, element_size)
     fwd = exchange_bytes_per_rank(a.batch, seq, args.n_heads, args.n_kv_heads, args.head_dim, sp,
                                   element_size, backward=False)
     per_layer = exchange_bytes_per_rank(a.batch, seq, args.n_heads, args.n_kv_heads, args.head_dim, sp,
