@@ -2,13 +2,13 @@
 
 CPU (gloo), 4 processes: 2 data-parallel groups of 2 sequence-parallel ranks:
 
-    torchrun --nproc_per_node=4 scripts/example_custom_loop.py --sp 2
-    torchrun --nproc_per_node=4 scripts/example_custom_loop.py --sp 4 --ring 2   # USP: ring 2 x ulysses 2
+    torchrun --nproc_per_node=4 scripts/example_custom_loop.py --sp_size 2
+    torchrun --nproc_per_node=4 scripts/example_custom_loop.py --sp_size 4 --ring_size 2   # USP: ring 2 x ulysses 2
 
 GPU (nccl), e.g. Llama-3-8B at 64K tokens on 8 GPUs:
 
-    torchrun --nproc_per_node=8 scripts/example_custom_loop.py --sp 8 \
-        --flavor llama3_8b --seq-len 65536 --batch-size 1 --ac full --compile
+    torchrun --nproc_per_node=8 scripts/example_custom_loop.py --sp_size 8 \
+        --flavor llama3_8b --seq_len 65536 --per_device_train_batch_size 1 --ac_mode full --torch_compile
 """
 
 import argparse
@@ -49,20 +49,25 @@ def synthetic_batch(step, batch_size, seq_len, vocab, dp_rank):
     return {"input_ids": torch.tensor(ids), "position_ids": torch.tensor(pos)}
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    # Flag names as the Trainer / TRL examples spell the same switches (the old spellings still parse).
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sp", type=int, default=2, help="sequence-parallel degree")
-    p.add_argument("--ring", type=int, default=1,
+    p.add_argument("--sp_size", "--sp", type=int, default=2, help="sequence-parallel degree")
+    p.add_argument("--ring_size", "--ring", type=int, default=1,
                    help="ring attention inside sp (sp = ring x ulysses; shard_batch reads it off pmesh.sp)")
-    p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (dp_shard fills the rest)")
+    p.add_argument("--dp_replicate_size", "--dp-replicate", type=int, default=1, help="HSDP replicas (dp_shard fills the rest)")
     p.add_argument("--flavor", default="debug")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=2, help="sequences per data-parallel rank")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--ac", default="none", choices=["none", "full", "selective"])
-    p.add_argument("--compile", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--seq_len", "--seq-len", type=int, default=64)
+    p.add_argument("--per_device_train_batch_size", "--batch-size", type=int, default=2, help="sequences per data-parallel rank")
+    p.add_argument("--max_steps", "--steps", type=int, default=10)
+    p.add_argument("--learning_rate", "--lr", type=float, default=3e-3)
+    p.add_argument("--ac_mode", "--ac", default="none", choices=["none", "full", "selective"])
+    p.add_argument("--torch_compile", "--compile", action="store_true")
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def main():
@@ -79,23 +84,23 @@ def main():
 
 def train(args, device):
     cuda = device.type == "cuda"
-    pmesh = ParallelDims(dp_replicate=args.dp_replicate, dp_shard=-1, sp=args.sp, ring=args.ring).build_mesh(device.type)
+    pmesh = ParallelDims(dp_replicate=args.dp_replicate_size, dp_shard=-1, sp=args.sp_size, ring=args.ring_size).build_mesh(device.type)
 
     # 2. Model on meta, parallelized (Ulysses attention, AC, compile, FSDP2), then materialised.
     with torch.device("meta"):
         model = Llama(llama_args(args.flavor))
     parallelize_llama(
-        model, pmesh, ac_mode=args.ac, compile=args.compile,
+        model, pmesh, ac_mode=args.ac_mode, compile=args.torch_compile,
         param_dtype=torch.bfloat16 if cuda else torch.float32,
     )
     model.to_empty(device=device)
     model.init_weights(seed=0)  # the same full weights on any mesh
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.1)
 
     # 3. Training loop.
-    for step in range(1, args.steps + 1):
+    for step in range(1, args.max_steps + 1):
         # This data-parallel rank's sequences (identical on the sp ranks of its group) ...
-        batch = synthetic_batch(step, args.batch_size, args.seq_len, model.args.vocab_size, pmesh.dp_rank)
+        batch = synthetic_batch(step, args.per_device_train_batch_size, args.seq_len, model.args.vocab_size, pmesh.dp_rank)
         # ... padded to a multiple of sp, labels shifted, cut to this rank's slice.
         local = shard_batch({k: v.to(device) for k, v in batch.items()}, pmesh.sp)
         logits = model(local["input_ids"], local["position_ids"], local["document_ids"])

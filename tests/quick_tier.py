@@ -22,6 +22,7 @@ WHOLE_FILES = {
     "test_data_mixture.py",
     "test_data_packing.py",
     "test_data_store.py",
+    "test_doc_sources.py",
     "test_docs.py",
     "test_family_check.py",
     "test_family_table.py",
@@ -54,6 +55,11 @@ TESTS = {
         "test_bad_input_raises_clear_errors",
     ],
     "test_parallelize.py": ["test_bad_options_are_clear_errors"],
+    "test_trl_user_data.py": [
+        "test_every_format_reads_the_rows_written_text_and_messages",
+        "test_what_cannot_be_used_is_refused_in_one_message",
+        "test_reward_functions_load_from_a_file_and_bad_names_are_refused",
+    ],
     "test_head_chunks.py": [
         "test_chunks_follow_the_kv_groups",
         "test_bad_chunk_counts_are_refused_by_name",
@@ -157,6 +163,14 @@ TESTS = {
         "test_fault_latch_is_whole_when_it_appears_and_fires_once",
     ],
     "test_rope_training.py": ["test_shipped_context_extension_configs_validate"],
+    "test_versions.py": [  # the checks on the standard library's members; not the imports of the libraries
+        "test_another_version_with_every_member_warns_once",
+        "test_only_local_rank_0_warns",
+        "test_a_missing_member_is_refused_by_name",
+        "test_the_override_turns_the_refusal_into_a_warning",
+        "test_a_library_that_is_not_installed_is_left_to_its_import",
+        "test_tested_versions_are_pyprojects_pins_and_the_installed_ones",
+    ],
     "test_known_errors.py": [  # the mechanism in one process; the torchrun launches are not quick
         "test_one_rank_per_node_and_attempt_reports",
         "test_sigterm_while_reporting_waits_for_the_message",
@@ -169,6 +183,8 @@ TESTS = {
 # Modules no file of the tier imports by name (tests/test_quick_tier.py finds those that
 # are), and the quick test that runs them.
 THROUGH = {
+    # "auto" sizes fitted to the world: every world size from 1 to 8, and the refusals.
+    "ulysses_dtensor.trainer.mesh_fit": "test_config.py::test_default_config_fits_every_world",
     # One ring block's steps, forward and backward: what every ring test runs.
     "ulysses_dtensor.parallel.ring_steps": "test_ring.py::test_trainer_losses_mesh_independent_with_ring",
     "ulysses_dtensor.data.chat": "test_sft_data.py",  # the chat templates

@@ -177,6 +177,10 @@ def test_shipped_configs_parse():
         c = load_config(["--config", str(path)])
         if c.model.hf_path:
             continue  # needs its model directory: validated in test_hf_checkpoint.py
+        if c.parallelism.sp == "auto":  # fitted to the world: every size from one process to a node
+            for world in range(1, 9):
+                validate_config(load_config(["--config", str(path)]), world)
+            continue
         n = c.parallelism.dp_replicate * max(c.parallelism.dp_shard, 1) * c.parallelism.sp * c.parallelism.tp
         validate_config(c, n)
 
@@ -363,3 +367,56 @@ def test_settings_that_depend_on_the_world_or_the_data(tmp_path):
     one_error(validate_config, c, 1, match=r"data.text_key='body' \(from the TOML file\) has no effect.*\.jsonl")
     (tmp_path / "more.jsonl").write_text('{"body": "x"}\n')
     validate_config(parse_config({"data": {"path": str(tmp_path), "text_key": "body"}}), 1)
+
+
+# The default config fitted to the world (trainer/mesh_fit.py): (dp_shard, sp, global batch) per world size
+# for the debug model (8 heads, 4 kv heads; stages of 128 and 256 tokens; 8 sequences per data-parallel rank).
+FITTED = {1: (1, 1, 8), 2: (1, 2, 8), 3: (3, 1, 24), 4: (1, 4, 8), 5: (5, 1, 40), 6: (3, 2, 24), 7: (7, 1, 56),
+          8: (1, 8, 8)}
+
+
+@pytest.mark.parametrize("world", sorted(FITTED))
+def test_default_config_fits_every_world(world, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    c = load_config(["--config", str(REPO / "train_configs" / "debug_model.toml")])
+    dims = validate_config(c, world)
+    assert (dims.dp_shard, dims.sp, c.training.global_batch_size) == FITTED[world]
+    assert c.fitted[0].startswith(f"parallelism.sp=auto -> {dims.sp}: ")
+    assert c.fitted[1] == (f"training.global_batch_size -> {FITTED[world][2]}: training.local_batch_size=8 "
+                           f"sequences x {dims.dp} data-parallel rank{'s' if dims.dp > 1 else ''}")
+    if world == 6:  # what was passed over, and why
+        assert "(not 6: 8 heads do not split over 6 ranks; not 3: 8 heads do not split over 3 ranks)" in c.fitted[0]
+    assert validate_config(c, world) == dims and len(c.fitted) == 2  # fitted once: nothing left to fit
+
+
+def test_auto_sp_stays_within_a_node_and_fits_lengths_and_ring(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # two nodes of 4: the all-to-all stays on a node
+    c = parse_config({"parallelism": {"sp": "auto"}, "model": {"flavor": "debug"}, "training": {"seq_len": 128}})
+    dims = validate_config(c, 8)
+    assert (dims.dp_shard, dims.sp) == (2, 4) and "within a node of 4 ranks" in c.fitted[0]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    c = parse_config({"parallelism": {"sp": "auto"}, "training": {"seq_len": 100}})  # 100 % 8 != 0
+    assert validate_config(c, 8).sp == 4 and "not 8: seq_len 100 is not a multiple of 8" in c.fitted[0]
+    c = parse_config({"parallelism": {"sp": "auto", "ring": 2}, "training": {"seq_len": 128}})
+    assert validate_config(c, 8).sp == 8  # ring 2 x ulysses 4
+    c = parse_config({"parallelism": {"sp": "auto", "ring": 3}, "training": {"seq_len": 128}})
+    one_error(validate_config, c, 2, match=r"parallelism.sp=auto: no sequence-parallel degree fits 2 ranks "
+                                         r"\(sp=2: parallelism.ring=3 does not divide it; sp=1: .*\); give parallelism.sp")
+
+
+def test_explicit_sizes_still_refuse_a_world_they_do_not_fit(tmp_path):
+    toml = write(tmp_path, "[parallelism]\nsp = 2\n[training]\nlocal_batch_size = 8\n")
+    one_error(validate_config, load_config(["--config", toml]), 3,
+              match=r"world_size=3 is not divisible by dp_replicate\*sp=1\*2=2.*divisors of 3")
+    both = write(tmp_path, "[training]\nlocal_batch_size = 8\nglobal_batch_size = 16\n", "both.toml")
+    one_error(load_config, ["--config", both],
+              match=r"training.local_batch_size=8 \(from the TOML file\) and training.global_batch_size=16 "
+                    r"\(from the TOML file\) both set the batch; give one")
+    # The later source wins: a command-line global batch over the TOML's local one (parity runs need it).
+    c = load_config(["--config", toml, "--training.global_batch_size", "6"])
+    assert validate_config(c, 4).dp == 2 and c.training.global_batch_size == 6
+    one_error(parse_config, {"training": {"local_batch_size": 2, "tokens_per_step": 1024}},
+              match=r"training.local_batch_size=2 .* with training.tokens_per_step=1024 .*give one")
+    one_error(parse_config, {"parallelism": {"sp": "all"}},
+              match=r"config key parallelism.sp must be an integer or 'auto', got 'all'")
+    one_error(load_config, ["--parallelism.sp", "0"], match=r"parallelism.sp=0 must be >= 1")

@@ -518,9 +518,10 @@ def test_cli_prints_the_breakdown(capsys):
 
 
 def test_cli_reports_a_bad_config_clearly(capsys):
-    code, _, err = _cli(capsys, "--config", str(ROOT / "train_configs/debug_model.toml"), "--world-size", "3")
+    code, _, err = _cli(capsys, "--config", str(ROOT / "train_configs/debug_model.toml"), "--world-size", "3",
+                        "--parallelism.sp", "2")
     assert code == 2
-    assert "error:" in err and "parallelism" in err
+    assert "error:" in err and "world_size=3 is not divisible by dp_replicate*sp=1*2=2" in err
 
 
 def test_search_api_agrees_with_plans():

@@ -32,7 +32,7 @@ def _example_worker(rank: int, world: int, argv: list[str]) -> str:
 
 
 def test_example_custom_loop_trains_on_4_cpu_ranks():
-    printed = run_ranks(4, _example_worker, ["--sp", "2", "--steps", "8"])
+    printed = run_ranks(4, _example_worker, ["--sp_size", "2", "--max_steps", "8"])
     # Only rank 0 prints, once per step.
     assert printed[1:] == ["", "", ""], printed
     steps = re.findall(r"^step (\d+) loss ([-+.\deEinfa]+) grad_norm", printed[0], re.M)

@@ -509,8 +509,8 @@ def test_example_hf_custom_loop_trains_loads_and_saves(tmp_path):
     sources = [ROOT / "README.md", *sorted((ROOT / "ulysses_dtensor").rglob("*.py"))[:6]]
     data.write_text("".join(json.dumps({"text": f.read_text()[:4000]}) + "\n" for f in sources))
     model_dir, save_dir = tmp_path / "tiny", tmp_path / "trained"
-    argv = ["--model-dir", str(model_dir), "--make-tiny", "--data", str(data), "--sp", "2",
-            "--seq-len", "64", "--steps", "6", "--save-dir", str(save_dir)]
+    argv = ["--model_dir", str(model_dir), "--make_tiny", "--dataset", str(data), "--sp_size", "2",
+            "--seq_len", "64", "--max_steps", "6", "--output_dir", str(save_dir)]
     log = run_ranks(4, _example_worker, argv)[0]
     losses = log["losses"]
     print("losses", [round(x, 3) for x in losses])

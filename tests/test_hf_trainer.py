@@ -1,4 +1,4 @@
-"""UlyssesTrainer / UlyssesSFTTrainer: a Trainer or TRL script, changed in one place, trains the
+"""UlyssesHFTrainer / UlyssesSFTTrainer: a Trainer or TRL script, changed in one place, trains the
 same losses at 1 process as at dp_shard 2 x sp 2 and at sp 4.
 
 The scripts are the shipped examples (``scripts/example_hf_trainer.py``,
@@ -185,12 +185,13 @@ def _run_scripts(rank: int, world: int, script: str, runs: list[tuple[list[str],
     results = []
     for argv, stock in runs:
         module = load_script(script)
+        ours = "UlyssesHFTrainer"
         if stock == "evaluate first":
-            module.UlyssesTrainer = _evaluating_first(module.UlyssesTrainer)
+            setattr(module, ours, _evaluating_first(getattr(module, ours)))
         elif stock == "Trainer":
             from transformers import Trainer
 
-            module.UlyssesTrainer = _stock(Trainer)
+            setattr(module, ours, _stock(Trainer))
         elif stock == "SFTTrainer":
             from trl import SFTTrainer
 
@@ -484,7 +485,7 @@ def _run_injected(rank: int, world: int, script: str, runs: list[tuple[list[str]
 
 
 def test_nonfinite_steps_are_skipped_and_stop_the_trainer(model_dirs, tmp_path):
-    """UlyssesTrainer on sp 2, a checkpoint every step. A NaN in rank 1's gradient shard only at
+    """UlyssesHFTrainer on sp 2, a checkpoint every step. A NaN in rank 1's gradient shard only at
     step 3 (one skip allowed): step 3 is skipped on both ranks -- no checkpoint-3, and the model
     saved after train() is checkpoint-2's, bit for bit. A NaN loss on rank 0 at step 2 with
     max_nonfinite_steps 0: train() raises on both ranks with one message naming step 2, rank 0's
@@ -500,7 +501,7 @@ def test_nonfinite_steps_are_skipped_and_stop_the_trainer(model_dirs, tmp_path):
     results = run_ranks(2, _run_injected, str(TRAINER_SCRIPT), runs)
     assert results[0] == results[1]
     finished, stopped, allocator = results[0]
-    assert allocator == "expandable_segments:True"  # unset before: UlyssesTrainer's default
+    assert allocator == "expandable_segments:True"  # unset before: UlyssesHFTrainer's default
     assert finished is None
     assert sorted(p.name for p in skip.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     saved, step2 = (load_file(d / "model-00001-of-00001.safetensors") for d in (skip, skip / "checkpoint-2"))
@@ -546,7 +547,7 @@ REFUSED_ARGUMENTS = [
 
 @pytest.mark.parametrize("overrides, name", REFUSED_ARGUMENTS, ids=[n for _, n in REFUSED_ARGUMENTS])
 def test_training_arguments_that_cannot_run_are_refused_by_name(overrides, name):
-    with pytest.raises(ValueError, match=rf"TrainingArguments\.{name}=.* is not supported by UlyssesTrainer: "):
+    with pytest.raises(ValueError, match=rf"TrainingArguments\.{name}=.* is not supported by UlyssesHFTrainer: "):
         check_training_arguments(_training_args(**overrides))
 
 
@@ -603,7 +604,7 @@ def _refusals_one_process(rank: int, world: int, model_dir: str, out: str) -> li
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
     from trl import SFTConfig
 
-    from ulysses_dtensor.integrations.hf import UlyssesTrainer
+    from ulysses_dtensor.integrations.hf import UlyssesHFTrainer
     from ulysses_dtensor.integrations.trl import UlyssesSFTTrainer
 
     messages = []
@@ -613,13 +614,13 @@ def _refusals_one_process(rank: int, world: int, model_dir: str, out: str) -> li
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]
         attempts = [
-            lambda: UlyssesTrainer(model_init=lambda: model, args=args, train_dataset=rows),
-            lambda: UlyssesTrainer(model=model, args=args, train_dataset=rows,
-                                   compute_loss_func=lambda outputs, labels, num_items_in_batch: 0),
-            lambda: UlyssesTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
-                                   train_dataset=rows, optimizers=(torch.optim.SGD([torch.zeros(1)], lr=0.1), None)),
-            lambda: UlyssesTrainer(model=model, args=args, train_dataset=rows, ulysses_args={"sp_size": 2}),
-            lambda: UlyssesTrainer(model=model, args=args, train_dataset=rows, ulysses_args=UlyssesArguments(
+            lambda: UlyssesHFTrainer(model_init=lambda: model, args=args, train_dataset=rows),
+            lambda: UlyssesHFTrainer(model=model, args=args, train_dataset=rows,
+                                     compute_loss_func=lambda outputs, labels, num_items_in_batch: 0),
+            lambda: UlyssesHFTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
+                                     train_dataset=rows, optimizers=(torch.optim.SGD([torch.zeros(1)], lr=0.1), None)),
+            lambda: UlyssesHFTrainer(model=model, args=args, train_dataset=rows, ulysses_args={"sp_size": 2}),
+            lambda: UlyssesHFTrainer(model=model, args=args, train_dataset=rows, ulysses_args=UlyssesArguments(
                 sp_size=2)),
         ]
         from datasets import Dataset
@@ -643,7 +644,7 @@ def _refusals_four_ranks(rank: int, world: int, model_dir: str, out: str) -> lis
     """What only several ranks can get wrong: different weights, different batches."""
     from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 
-    from ulysses_dtensor.integrations.hf.ulysses_trainer.mixin import UlyssesTrainer
+    from ulysses_dtensor.integrations.hf.ulysses_trainer.mixin import UlyssesHFTrainer
 
     messages = []
     with script_run():
@@ -651,8 +652,8 @@ def _refusals_four_ranks(rank: int, world: int, model_dir: str, out: str) -> lis
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
         args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], max_steps=1)
         try:
-            UlyssesTrainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2]}],
-                           ulysses_args=UlyssesArguments(sp_size=2))
+            UlyssesHFTrainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2]}],
+                             ulysses_args=UlyssesArguments(sp_size=2))
         except ValueError as e:
             messages.append(str(e))
         destroy_subgroups()
@@ -674,9 +675,9 @@ def _refusals_four_ranks(rank: int, world: int, model_dir: str, out: str) -> lis
 def test_trainer_objects_that_cannot_run_are_refused_by_name(model_dirs, tmp_path):
     one = run_ranks(1, _refusals_one_process, str(model_dirs["llama"]), str(tmp_path / "one"))[0]
     expected = [
-        "UlyssesTrainer needs model=: model_init=",
-        "compute_loss_func= is not supported by UlyssesTrainer",
-        "optimizers=(optimizer, scheduler) is not supported by UlyssesTrainer",
+        "UlyssesHFTrainer needs model=: model_init=",
+        "compute_loss_func= is not supported by UlyssesHFTrainer",
+        "optimizers=(optimizer, scheduler) is not supported by UlyssesHFTrainer",
         "ulysses_args must be a UlyssesArguments, got dict",
         "UlyssesArguments(dp_replicate_size=1, dp_shard_size=-1, sp_size=2, ring_size=1) on 1 processes:",
         "SFTConfig.loss_type='dft' is not supported by UlyssesSFTTrainer",

@@ -58,10 +58,10 @@ LAUNCHES = {
     "eval_rank1_first": (EVAL + ["--data.path", "/no/such/corpus.txt"], 2, [
         ("silent:1", 0, r"config error: data\.path='/no/such/corpus\.txt' .*does not exist")]),
     "trainer_rank1_first": (SCRIPT + ["weights"], 1, [
-        ("late:0", 1, r"UlyssesTrainer error: the model's weights differ between ranks \(first: "
+        ("late:0", 1, r"UlyssesHFTrainer error: the model's weights differ between ranks \(first: "
                       r"model\.embed_tokens\.weight\)")]),
     "trainer_rank0_first": (SCRIPT + ["arguments"], 1, [
-        ("silent:0", 1, r"UlyssesTrainer error: UlyssesArguments\.ring_size=3 must divide sp_size=2")]),
+        ("silent:0", 1, r"UlyssesHFTrainer error: UlyssesArguments\.ring_size=3 must divide sp_size=2")]),
 }
 
 
@@ -235,14 +235,14 @@ def test_an_uncaught_ulysses_trainer_error_is_one_line_and_others_keep_their_tra
     seen = []
     monkeypatch.setattr(sys, "excepthook", lambda *exc: seen.append(exc[1]))
     monkeypatch.setattr(refusals, "_previous_hook", None)
-    refusal = UlyssesTrainerError("TrainingArguments.fp16=True is not supported by UlyssesTrainer: use bf16")
+    refusal = UlyssesTrainerError("TrainingArguments.fp16=True is not supported by UlyssesHFTrainer: use bf16")
     assert isinstance(refusal, ValueError) and sys.excepthook is refusals._report_hook  # installed by the first one
     sys.excepthook(UlyssesTrainerError, refusal, None)
     other = RuntimeError("a bug")
     sys.excepthook(RuntimeError, other, None)
     assert seen == [other]  # the hook before it, as before
-    assert capsys.readouterr().err == ("UlyssesTrainer error: TrainingArguments.fp16=True is not supported by "
-                                       "UlyssesTrainer: use bf16\n")
+    assert capsys.readouterr().err == ("UlyssesHFTrainer error: TrainingArguments.fp16=True is not supported by "
+                                       "UlyssesHFTrainer: use bf16\n")
 
 
 def test_a_checkpoint_the_trainer_cannot_resume_from_is_one_line():

@@ -3,7 +3,7 @@
 torchtitan's own ``Trainer.train_step`` runs (its loss and token reductions, its
 gradient clipping, its ``MetricsProcessor.log``) on gloo ranks for 3 steps of 2
 accumulated micro-batches: once as torchtitan at Ulysses degree 1 (its own
-``Trainer``, data parallel over 2 ranks), and as ``UlyssesTrainer`` at sp 2,
+``Trainer``, data parallel over 2 ranks), and as ``UlyssesTorchtitanTrainer`` at sp 2,
 dp_shard 2 x sp 2 and dp_replicate 2 x sp 2. Every field of the metrics it
 hands its loggers is classified from the dict itself (a new field fails the test
 until classified): the average loss, gradient norm, tokens seen and lr equal
@@ -120,9 +120,9 @@ def build_trainer(ulysses: bool, dims, model, model_config):
     from ulysses_dtensor.integrations.torchtitan.metrics_processor import (
         UlyssesMetricsProcessor,
     )
-    from ulysses_dtensor.integrations.torchtitan.trainer import UlyssesTrainer
+    from ulysses_dtensor.integrations.torchtitan.trainer import UlyssesTorchtitanTrainer
 
-    cls = UlyssesTrainer if ulysses else Trainer
+    cls = UlyssesTorchtitanTrainer if ulysses else Trainer
     trainer = object.__new__(cls)
     trainer.config = SimpleNamespace(
         training=TrainingConfig(max_norm=0.5, steps=STEPS),

@@ -553,7 +553,7 @@ def config_worker(rank: int, world: int) -> dict | None:
     from ulysses_dtensor.integrations.torchtitan.parallelize import parallelize_ulysses
     from ulysses_dtensor.integrations.torchtitan.trainer import (
         UlyssesConfig,
-        UlyssesTrainer,
+        UlyssesTorchtitanTrainer,
         prepare_config,
     )
 
@@ -580,7 +580,7 @@ def config_worker(rank: int, world: int) -> dict | None:
         "stock_model": (cfg.model_spec.name, cfg.model_spec.flavor) == ("llama3", "debugmodel"),
     }
 
-    # What UlyssesTrainer.__init__ does, then what torchtitan's Trainer.__init__
+    # What UlyssesTorchtitanTrainer.__init__ does, then what torchtitan's Trainer.__init__
     # does with the override imports (before it builds the model).
     out["metrics"] = {  # torchtitan's stock metrics settings, in the Ulysses processor's config
         "type": type(cfg.metrics).__qualname__,
@@ -609,7 +609,7 @@ def config_worker(rank: int, world: int) -> dict | None:
     # torchtitan's ParallelDims with the Ulysses degree on its cp axis (this
     # world has 2 ranks; the process group exists, so nothing is initialised).
     base = registry.llama3_debugmodel_ulysses()
-    dims = UlyssesTrainer.init_distributed(SimpleNamespace(config=base))
+    dims = UlyssesTorchtitanTrainer.init_distributed(SimpleNamespace(config=base))
     out["dims"] = {"cp": dims.cp, "dp_shard": dims.dp_shard, "world": dims.world_size}
 
     def error(make) -> str:
@@ -638,7 +638,7 @@ def config_worker(rank: int, world: int) -> dict | None:
         "seq_len_tp": error(lambda: dataclasses.replace(
             base, training=dataclasses.replace(train, seq_len=2044),
             parallelism=dataclasses.replace(par, tensor_parallel_degree=2))),
-        "world_tp": error(lambda: UlyssesTrainer.init_distributed(SimpleNamespace(config=dataclasses.replace(
+        "world_tp": error(lambda: UlyssesTorchtitanTrainer.init_distributed(SimpleNamespace(config=dataclasses.replace(
             base, parallelism=dataclasses.replace(par, tensor_parallel_degree=2))))),
         "heads": error(lambda: dataclasses.replace(base, ulysses=UlyssesConfig(degree=3))),
         "backend": error(lambda: UlyssesConfig(attention_backend="flash")),
@@ -647,7 +647,7 @@ def config_worker(rank: int, world: int) -> dict | None:
         "seq_len": error(lambda: dataclasses.replace(base, training=dataclasses.replace(train, seq_len=2046))),
         "override": error(lambda: dataclasses.replace(
             base, override=dataclasses.replace(base.override, imports=[OVERRIDE_TARGET]))),
-        "world": error(lambda: UlyssesTrainer.init_distributed(
+        "world": error(lambda: UlyssesTorchtitanTrainer.init_distributed(
             SimpleNamespace(config=dataclasses.replace(base, ulysses=UlyssesConfig(degree=4))))),
     }
     stderr = io.StringIO()
@@ -660,7 +660,7 @@ def config_worker(rank: int, world: int) -> dict | None:
 def test_configs_and_errors():
     out = run_ranks(2, config_worker)[0]
     parsed = out["parsed"]
-    assert parsed["type"] == "UlyssesTrainer.Config"
+    assert parsed["type"] == "UlyssesTorchtitanTrainer.Config"
     assert parsed["ulysses"] == {"degree": 4, "attention_backend": "sdpa", "pack_qkv": True}
     assert parsed["validator"] == "UlyssesValidator.Config"
     assert (parsed["spmd_backend"], parsed["load_balancer"], parsed["cuda_graphs_off"]) == ("partial_dtensor", None, True)
@@ -706,15 +706,28 @@ def test_configs_and_errors():
 OVERRIDE_TARGET_NAME = "ulysses_dtensor.integrations.torchtitan.attention.ulysses_inner_attention"
 
 
-def test_torchtitan_version_errors():
+def test_torchtitan_version_errors(monkeypatch):
+    from ulysses_dtensor.integrations import versions
     from ulysses_dtensor.integrations.torchtitan._requirements import (
         check_torchtitan_version,
     )
 
+    monkeypatch.setattr(versions, "_found", {})
+    monkeypatch.setattr(versions, "_warned", set())
+    monkeypatch.delenv(versions.ALLOW_ENV, raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     check_torchtitan_version("0.3.0")
     with pytest.raises(ImportError, match=r"needs torchtitan==0\.3\.0, which is not installed: pip install"):
         check_torchtitan_version(None)
-    with pytest.raises(ImportError, match=r"supports torchtitan==0\.3\.0 only .* found torchtitan==0\.4\.0"):
+    # Another version with the plug-in's hooks all there (this torchtitan's): a warning.
+    with pytest.warns(versions.UntestedVersionWarning, match=r"torchtitan==0\.4\.0 is installed; .* tested with "
+                      r"torchtitan==0\.3\.0"):
+        check_torchtitan_version("0.4.0")
+    # One gone: refused, by name (not an ImportError, which torchtitan's --module lookup would swallow).
+    gone = versions.Member("torchtitan.trainer:Trainer.post_dataloading_process_gone")
+    monkeypatch.setitem(versions.PRIVATE_MEMBERS, "torchtitan", {"plug-in": (gone,)})
+    monkeypatch.setattr(versions, "_found", {})
+    with pytest.raises(versions.UntestedVersionError, match=r"Trainer\.post_dataloading_process_gone \(gone\)"):
         check_torchtitan_version("0.4.0")
 
 

@@ -78,21 +78,29 @@ def _rows(dump: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The README main command (scripts/run_train.sh) on 4 CPU ranks."""
+    """The README main command (scripts/run_train.sh) on 2 CPU ranks: the debug config's
+    mesh fitted to them (sp "auto" -> 2); the global batch from the command line."""
     dump = tmp_path_factory.mktemp("ref")
     env = {**os.environ, "PYTHON": sys.executable, "NPROC": "2", "OMP_NUM_THREADS": "1"}
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "ULYSSES_DTENSOR_ALLOC_DEFAULT"):
         env.pop(name, None)  # unset: run_train.sh applies the allocator default
-    cmd = ["bash", str(REPO / "scripts" / "run_train.sh"),
-           *_args(dump, "--parallelism.dp_shard", "1", "--parallelism.sp", "2")]
+    cmd = ["bash", str(REPO / "scripts" / "run_train.sh"), *_args(dump)]
+    return dump, _run_main_job(cmd, env)
+
+
+def _run_main_job(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{cmd}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-5000:]}"
-    return dump, proc
+    return proc
 
 
 def test_end_to_end_2_ranks(reference):
     dump, proc = reference
     assert "run_train.sh: 2 ranks (CPU, gloo)" in proc.stderr
+    assert "  world 2 on cpu: dp_replicate=1 dp_shard=1 sp=2\n" in proc.stdout
+    assert ("  fitted to the world: parallelism.sp=auto -> 2: the largest divisor of the 2 ranks for sp x dp that "
+            "suits 8 heads / 4 kv heads and every stage's seq_len\n") in proc.stdout
+    assert "global_batch_size ->" not in proc.stdout  # the command line's global batch, not the TOML's local one
     # The banner's memory switches, and the allocator default run_train.sh applied.
     assert ("  memory: tiled_mlp off, tiled_loss off, offload_activations off, offload_params off, save_attention off; "
             "allocator: expandable_segments:True (this package's default; set PYTORCH_CUDA_ALLOC_CONF to choose "
@@ -116,6 +124,30 @@ def test_end_to_end_2_ranks(reference):
     state = json.loads((ckpt / "step-6" / "train_state.json").read_text())
     assert state["step"] == 6 and state["context"]["seq_len"] == 128
     assert state["data"]["tokens_seen"] == seen[-1]
+
+
+def test_main_job_fits_3_ranks_and_1(tmp_path):
+    """The main job with its default config on 3 ranks (as on a 3-GPU machine): no sp divides
+    both 3 and the 8 heads, so sp 1 x dp 3, and 8 sequences per data-parallel rank make a global
+    batch of 24; the banner says both and why. On one process: sp 1, batch 8."""
+    env = {**os.environ, "PYTHON": sys.executable, "NPROC": "3", "OMP_NUM_THREADS": "1"}
+    dump = tmp_path / "three"
+    short = ["--training.steps", "2", "--checkpoint.enable", "false", "--metrics.log_freq", "1"]
+    proc = _run_main_job(["bash", str(REPO / "scripts" / "run_train.sh"), "--job.dump_folder", str(dump),
+                          *short], env)
+    assert "  world 3 on cpu: dp_replicate=1 dp_shard=3 sp=1\n" in proc.stdout
+    assert ("  fitted to the world: parallelism.sp=auto -> 1: the largest divisor of the 3 ranks for sp x dp that "
+            "suits 8 heads / 4 kv heads and every stage's seq_len (not 3: 8 heads do not split over 3 ranks); "
+            "dp is the rest, 3\n") in proc.stdout
+    assert ("  fitted to the world: training.global_batch_size -> 24: training.local_batch_size=8 sequences x 3 "
+            "data-parallel ranks\n") in proc.stdout
+    assert [r["tokens_seen"] for r in _rows(dump)] == [24 * 128, 2 * 24 * 128]
+
+    one = tmp_path / "one"
+    _train(["--config", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", str(one), *short])
+    assert [r["tokens_seen"] for r in _rows(one)] == [8 * 128, 2 * 8 * 128]
+    saved = json.loads((one / "config.json").read_text())
+    assert saved["parallelism"]["sp"] == 1 and saved["training"]["global_batch_size"] == 8
 
 
 def _assert_same_trajectory(rows: list[dict], ref: list[dict], label: str) -> None:

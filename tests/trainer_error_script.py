@@ -1,4 +1,4 @@
-"""A user's UlyssesTrainer script that stops on an error it does not catch (tests/test_known_errors.py).
+"""A user's UlyssesHFTrainer script that stops on an error it does not catch (tests/test_known_errors.py).
 
 ``python trainer_error_script.py weights OUT``: every rank seeds its own random model,
 so the weights differ between ranks, which the trainer finds with a collective once
@@ -19,14 +19,14 @@ def main(error: str, out: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-    from ulysses_dtensor.integrations.hf import UlyssesTrainer
+    from ulysses_dtensor.integrations.hf import UlyssesHFTrainer
 
     torch.manual_seed(int(os.environ.get("RANK", 0)))
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)
     args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], max_steps=1)
-    UlyssesTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=[{"input_ids": [1, 2, 3, 4]}],
-                   ulysses_args=UlyssesArguments(sp_size=2))
+    UlyssesHFTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=[{"input_ids": [1, 2, 3, 4]}],
+                     ulysses_args=UlyssesArguments(sp_size=2))
     raise SystemExit(f"{error}: not refused")
 
 

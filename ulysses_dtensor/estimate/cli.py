@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="trainer TOML config")
     p.add_argument("--world-size", type=int, default=None,
-                   help="ranks to simulate (default: dp_replicate*dp_shard*sp of the config, dp_shard=-1 as 1)")
+                   help="ranks to simulate (default: dp_replicate*dp_shard*sp of the config, dp_shard=-1 and sp=auto as 1)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's longest stage)")
     p.add_argument("--rows", type=int, default=None,
                    help="sequences per dp rank in the step (default: from the config; 1 with --max-seq-len)")

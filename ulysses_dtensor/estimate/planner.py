@@ -70,6 +70,8 @@ def _cheaper_trace(cfg, args, s_local: int, counts: tuple[int, ...], edges: bool
 
 def _default_world_size(cfg) -> int:
     p = cfg.parallelism
+    if p.sp == "auto":  # fitted to whatever world runs it: one process unless --world-size says more
+        return p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
     return p.dp_replicate * p.sp * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
 
 
@@ -136,26 +138,26 @@ def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges, target=N
     from ..models.llama import FLAVORS
     from ..parallel.mesh import ParallelDims
     from ..trainer.config import model_args, validate_config
+    from ..trainer.mesh_fit import fit_to_world
 
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} must be 'cuda' or 'cpu'")
     if world_size is None:
         world_size = _default_world_size(cfg)
     notes: list[str] = []
+    cfg = copy.deepcopy(cfg)
+    fit_to_world(cfg, world_size)  # "auto" sizes as the trainer would fit them to this world
     cfg, seq_len, batch = _prepared_config(cfg, seq_len, rows, notes)
-    if rows is not None:
-        if cfg.training.micro_batch_size and cfg.training.micro_batch_size >= rows:
-            # One forward of the rows asked for (a config's micro-batch of its own global
-            # batch would be refused as having no effect on this one).
-            cfg.training.micro_batch_size = None
-        par = cfg.parallelism
-        try:
-            dp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring, tp=par.tp).dp
-        except ValueError:
-            dp = 1  # validate_config below raises the ConfigError
-        cfg.training.global_batch_size = rows * dp
-    else:
-        cfg.training.global_batch_size = batch
+    par = cfg.parallelism
+    try:
+        dp = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring, tp=par.tp).dp
+    except ValueError:
+        dp = 1  # validate_config below raises the ConfigError
+    cfg.training.global_batch_size = batch if rows is None else rows * dp
+    if cfg.training.micro_batch_size and cfg.training.micro_batch_size >= cfg.training.global_batch_size // dp:
+        # One forward of the rows planned (a config's micro-batch of its own global batch, e.g. of
+        # an earlier stage's shorter sequences, would be refused as having no effect on this one).
+        cfg.training.micro_batch_size = None
     dims = validate_config(cfg, world_size, weights=False)
     if rows is None:
         rows = max(1, batch // dims.dp)

@@ -12,6 +12,9 @@ One folder or module per library:
   (transformers' or this package's Llama; the ``lora`` extra);
 * ``integrations.torchtitan``: a plug-in for torchtitan 0.3.0's own models and
   trainer (the ``torchtitan`` extra; ``--module ulysses_dtensor.integrations.torchtitan``).
+* ``integrations.versions``: the library versions the parity tests ran and the private
+  members each integration relies on, checked where it starts (a warning for another
+  version, a refusal naming a member it lacks).
 
 Import the submodule you need; nothing is imported here.
 """

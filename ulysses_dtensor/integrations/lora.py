@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .versions import check_library
+
 __all__ = [
     "ADAPTER",
     "LORA_EXTRA_MSG",
@@ -166,6 +168,7 @@ def add_lora(model: nn.Module, spec: LoraSpec, *, head: nn.Module | None = None)
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
         raise ImportError(LORA_EXTRA_MSG) from None
+    check_library("peft", user="LoRA (ulysses_dtensor.integrations.lora)")
     targets = check_lora_targets(model, spec, head=head)
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
                         target_modules=list(spec.target_modules), init_lora_weights=True)

@@ -4,7 +4,7 @@ At millions of tokens, and as a context schedule changes the length, the caching
 allocator's fixed-size segments fragment: a planned fit can fail with memory reserved
 but unused. Expandable segments (one growing mapping per stream) are PyTorch's remedy.
 So the trainer's launches (``scripts/run_train.sh``, ``python -m ulysses_dtensor.train``,
-``UlyssesTrainer``) set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when neither
+``UlyssesHFTrainer``) set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` when neither
 ``PYTORCH_CUDA_ALLOC_CONF`` nor ``PYTORCH_ALLOC_CONF`` is set (even to an empty value):
 a setting of the user's is kept as it is.
 

@@ -1,7 +1,7 @@
 """A step whose loss or gradient norm is not finite: skipped by every rank together, and the
 run stopped with one message when too many come in a row.
 
-Used by both trainers (this package's loop and ``UlyssesTrainer``) between the gradient
+Used by both trainers (this package's loop and ``UlyssesHFTrainer``) between the gradient
 norm and the optimizer step::
 
     guard = NonFiniteGuard(max_steps=3, setting="training.max_nonfinite_steps")

@@ -37,6 +37,7 @@ from .config_schema import (
     SOURCE_CLI,
     SOURCE_DEFAULT,
     SOURCE_TOML,
+    AUTO,
     ConfigError,
     JobConfig,
     config_help,
@@ -47,7 +48,10 @@ from .data_config import (
     coerce_sources,
     parse_sources_cli,
 )
+from .mesh_fit import resolve_batch_keys
 from .schedule import Stage
+
+INT_OR_AUTO = int | str  # a size given as a number, or "auto" (fitted to the world: mesh_fit.py)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -118,6 +122,8 @@ def _type_name(tp) -> str:
         return "a bool (true/false)"
     if tp is int:
         return "an integer"
+    if tp == INT_OR_AUTO:
+        return f"an integer or {AUTO!r}"
     if tp is float:
         return "a number"
     if tp is str:
@@ -149,6 +155,12 @@ def _coerce(value, tp, key: str):
             raise bad()
         return value
     if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad()
+        return value
+    if tp == INT_OR_AUTO:
+        if value == AUTO:
+            return value
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad()
         return value
@@ -228,6 +240,8 @@ def _parse_cli_value(text: str, tp, key: str):
             raise ValueError
         if tp is int:
             return int(text)
+        if tp == INT_OR_AUTO:
+            return AUTO if text.strip() == AUTO else int(text)
         if tp is float:
             return float(text)
         if tp is str:
@@ -327,6 +341,7 @@ def parse_config(toml: dict | None = None, overrides: list[tuple[str, str]] = ()
         section, key = _split_dotted(dotted)
         _apply(cfg, section, key, raw, from_cli=True)
     _resolve_context_length(cfg)
+    resolve_batch_keys(cfg)
     check_values(cfg)
     return cfg
 

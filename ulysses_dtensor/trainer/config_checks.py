@@ -20,9 +20,11 @@ from ..data import (
 )
 from ..runtime.suggest import did_you_mean
 from .config_effects import EFFECT_RULES, EffectRule, check_effect
-from .config_schema import ConfigError, JobConfig
+from .config_schema import AUTO, ConfigError, JobConfig
 from .data_config import check_data_values, data_path_problem
-from .hf_start import hf_model_args, tokenizer_spec
+from .hf_start import check_hf_weights, tokenizer_spec
+from .mesh_fit import check_local_batch, fit_to_world
+from .model_shape import model_args
 
 __all__ = ["check_values", "validate_config", "model_args", "check_eval_data", "WANDB_MISSING_MSG"]
 
@@ -59,6 +61,9 @@ def check_values(cfg: JobConfig) -> None:
     positive("model.vocab_multiple_of", cfg.model.vocab_multiple_of)
     positive("parallelism.ring", cfg.parallelism.ring)
     positive("parallelism.tp", cfg.parallelism.tp)
+    if cfg.parallelism.sp != AUTO:
+        positive("parallelism.sp", cfg.parallelism.sp)
+    check_local_batch(cfg)
     if not 0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_ratio={cfg.lr_scheduler.min_lr_ratio} must be in [0, 1]")
     if len(cfg.optimizer.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optimizer.betas):
@@ -169,6 +174,7 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
     """
     from ..parallel.mesh import ParallelDims
 
+    fit_to_world(cfg, world_size)  # "auto" sizes -> numbers, before anything reads them
     par = cfg.parallelism
     try:
         dims = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring, tp=par.tp)
@@ -200,6 +206,8 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
         check_transformers_model(cfg, dims, weights=weights)
         return dims
     args = model_args(cfg, vocab_size=cfg.model.vocab_size or 256)
+    if cfg.model.hf_path and weights:
+        check_hf_weights(cfg)
     from .rope_stages import stage_ropes
 
     stage_ropes(cfg, args)  # every stage's rope_theta / rope_scaling (ConfigError)
@@ -312,35 +320,6 @@ def _check_micro_batch(cfg: JobConfig, schedule, dp: int) -> None:
         f"{largest} per step (global batch / {dp} data-parallel streams)",
     )
     check_effect(cfg, [rule])
-
-
-def model_args(cfg: JobConfig, vocab_size: int):
-    """The LlamaArgs for this config (flavor + overrides, or model.hf_path's
-    config.json, whose vocabulary wins over ``vocab_size``; with the transformers
-    implementation the model's ``CausalLMShape``), or a ConfigError."""
-    if cfg.model.hf_path:
-        from .hf_model import transformers_args, uses_transformers
-
-        return transformers_args(cfg) if uses_transformers(cfg) else hf_model_args(cfg)
-    from ..models.llama import FLAVORS, llama_args
-
-    m = cfg.model
-    if m.flavor not in FLAVORS:
-        raise ConfigError(
-            f"model.flavor={m.flavor!r} is unknown{did_you_mean(m.flavor, FLAVORS, cutoff=0.5)}; "
-            f"valid: {', '.join(FLAVORS)}"
-        )
-    overrides = {
-        k: getattr(m, k)
-        for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
-        if getattr(m, k)
-    }
-    if m.rope_theta:  # the base of the flavor's own rope type
-        overrides["rope"] = FLAVORS[m.flavor].rope.with_theta(m.rope_theta)
-    try:
-        return llama_args(m.flavor, vocab_size=vocab_size, attn_backend=m.attn_backend, **overrides)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"model.flavor={m.flavor!r} with overrides {overrides}: {e}") from None
 
 
 def _check_data(cfg: JobConfig) -> None:

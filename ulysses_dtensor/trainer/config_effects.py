@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .config_schema import SOURCE_DEFAULT, ConfigError, JobConfig
+from .config_schema import AUTO, SOURCE_DEFAULT, ConfigError, JobConfig
 from .data_config import packing_of
 from .hf_start import HF_IGNORED_MODEL_KEYS
 
@@ -36,6 +36,11 @@ def _warmup_ends(c: JobConfig) -> bool:
     return c.lr_scheduler.warmup_steps < c.training.steps
 
 
+def _sp_may_exceed_1(c: JobConfig) -> bool:
+    # "auto" is fitted to the world later (mesh_fit.py): it may be > 1, so no key is refused for it.
+    return c.parallelism.sp == AUTO or c.parallelism.sp > 1
+
+
 def _has_retrieval(c: JobConfig) -> bool:
     return any(t != "loss" for t in c.eval.tasks)
 
@@ -53,7 +58,7 @@ EFFECT_RULES: list[EffectRule] = [
                "each stage's batch is tokens_per_step / seq_len"),
     EffectRule("training.compile_backend", ("training.compile",), lambda c: c.training.compile,
                "it is used with training.compile=true"),
-    EffectRule("training.pack_qkv", ("parallelism.sp",), lambda c: c.parallelism.sp > 1,
+    EffectRule("training.pack_qkv", ("parallelism.sp",), lambda c: _sp_may_exceed_1(c),
                "there is no all-to-all to pack at parallelism.sp=1"),
     EffectRule("activation_checkpoint.selective", ("activation_checkpoint.mode",),
                lambda c: c.activation_checkpoint.mode == "selective",
@@ -84,7 +89,7 @@ EFFECT_RULES: list[EffectRule] = [
                  "it shapes the LoRA adapters, which lora.rank > 0 switches on")
       for k in ("alpha", "dropout", "target_modules", "modules_to_save")),
     EffectRule("metrics.exchange_timing", ("parallelism.sp", "training.compile"),
-               lambda c: c.parallelism.sp > 1 and not c.training.compile,
+               lambda c: _sp_may_exceed_1(c) and not c.training.compile,
                "it times the eager Ulysses all-to-alls (parallelism.sp > 1; torch.compile'd "
                "blocks cannot carry the timer)"),
     *(EffectRule(f"eval.{k}", ("eval.tasks",), _has_retrieval,

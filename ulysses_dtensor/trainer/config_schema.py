@@ -17,6 +17,9 @@ from ..data.mixture import SourceSpec
 from ..evaluation.tasks import TASKS as EVAL_TASKS
 from .schedule import DECAYS, ContextSchedule, Stage
 
+# A size the trainer fits to the ranks it gets (``parallelism.sp = "auto"``).
+AUTO = "auto"
+
 # Where a key's value came from; a later source overrides an earlier one.
 SOURCE_DEFAULT, SOURCE_TOML, SOURCE_CLI = 0, 1, 2
 SOURCE_NAMES = {SOURCE_DEFAULT: "the default", SOURCE_TOML: "from the TOML file",
@@ -81,6 +84,9 @@ class Model:
 class Training:
     steps: int = _f(10, "number of optimizer steps (counted from 1)")
     global_batch_size: int = _f(8, "sequences per step over all dp ranks (fixed-batch mode)")
+    local_batch_size: int = _f(
+        0, "sequences per step on each data-parallel rank: the global batch is this x the data-parallel "
+        "ranks, so it divides on any world size (0: training.global_batch_size; give one of the two)")
     tokens_per_step: int = _f(
         0, "tokens per step when context.constant_tokens_per_step (0: global_batch_size "
         "x the first stage's seq_len)")
@@ -105,7 +111,10 @@ class Training:
 class Parallelism:
     dp_replicate: int = _f(1, "data-parallel replicas (HSDP outer dim)")
     dp_shard: int = _f(-1, "FSDP2 data-parallel shards (-1: what the world size leaves)")
-    sp: int = _f(1, "sequence-parallel degree (ranks that share one sequence)")
+    sp: int | str = _f(
+        1, "sequence-parallel degree (ranks that share one sequence), or \"auto\": the largest degree that "
+        "divides the ranks left by dp_replicate, dp_shard and tp, stays within one node (LOCAL_WORLD_SIZE), "
+        "suits the model's heads and every stage's seq_len; the banner says what it chose")
     ring: int = _f(1, "ring-attention degree inside sp: sp = ring x ulysses, the Ulysses "
                       "all-to-all within groups of sp/ring consecutive ranks (a node), the ring "
                       "across them (1: Ulysses only)")
@@ -294,6 +303,9 @@ class JobConfig:
         # from a default, and which of two settings came later. Not a field: it
         # is not part of the saved config.
         self.sources: dict[str, int] = {}
+        # What the trainer chose for "auto" sizes and why (parallelism.sp, the global
+        # batch from training.local_batch_size), for the banner: see trainer/mesh_fit.py.
+        self.fitted: list[str] = []
 
     def source_of(self, dotted: str) -> int:
         return self.sources.get(dotted, SOURCE_DEFAULT)

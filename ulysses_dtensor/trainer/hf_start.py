@@ -19,6 +19,7 @@ from .config_schema import SOURCE_DEFAULT, ConfigError
 __all__ = [
     "HF_IGNORED_MODEL_KEYS",
     "hf_model_args",
+    "check_hf_weights",
     "hf_source_config",
     "tokenizer_spec",
 ]
@@ -42,19 +43,24 @@ def hf_source_config(cfg) -> dict:
 
 def hf_model_args(cfg):
     """LlamaArgs from ``hf_path/config.json``, or a ConfigError naming what is unsupported."""
-    from ..models.llama_checkpoint import (
-        HFCheckpointError,
-        args_from_hf_config,
-        safetensors_files,
-    )
+    from ..models.llama_checkpoint import HFCheckpointError, args_from_hf_config
 
     where = f"model.hf_path={cfg.model.hf_path!r}: config.json"
     try:
-        args = args_from_hf_config(hf_source_config(cfg), attn_backend=cfg.model.attn_backend, where=where)
-        safetensors_files(cfg.model.hf_path)  # weights present (their names are checked at load)
+        return args_from_hf_config(hf_source_config(cfg), attn_backend=cfg.model.attn_backend, where=where)
     except HFCheckpointError as e:
         raise ConfigError(str(e)) from None
-    return args
+
+
+def check_hf_weights(cfg) -> None:
+    """``hf_path`` holds safetensors weights (their names are checked at load); the memory
+    planner, which needs config.json only, skips this."""
+    from ..models.llama_checkpoint import HFCheckpointError, safetensors_files
+
+    try:
+        safetensors_files(cfg.model.hf_path)
+    except HFCheckpointError as e:
+        raise ConfigError(str(e)) from None
 
 
 def tokenizer_spec(cfg) -> str:

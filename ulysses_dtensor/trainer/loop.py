@@ -203,6 +203,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"dp_shard={dims.dp_shard} sp={dims.sp}"
         f"{f' (ring {dims.ring} x ulysses {dims.ulysses})' if dims.ring > 1 else ''}"
         f"{f' tp={dims.tp}' if dims.tp > 1 else ''}\n"
+        + "".join(f"  fitted to the world: {note}\n" for note in cfg.fitted) +
         f"  model {cfg.model.hf_path or cfg.model.flavor}: {n_params / 1e6:.2f}M params, vocab {vocab_size} "
         f"(tokenizer {tokenizer.vocab_size})\n"
         f"  attention: {_attention_banner(cfg, vocab_size, device)}; {_head_chunks_banner(cfg, vocab_size, dims)}\n"

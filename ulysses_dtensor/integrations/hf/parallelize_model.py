@@ -50,6 +50,7 @@ from ulysses_dtensor.parallel.ring_layout import layout_position_ids
 from ulysses_dtensor.parallel.tensor_parallel import check_tp_heads, hf_tp_plan, tensor_parallelize
 from ulysses_dtensor.parallel.ulysses import UlyssesAttention, check_chunks_for_heads, kv_replication
 
+from ..versions import check_library
 from .attention_function import (
     ATTN_IMPLEMENTATION,
     DOCUMENT_IDS_KWARG,
@@ -196,6 +197,7 @@ def parallelize_hf_model(
     (each rank's share of the global token mean). The model is then called with
     :func:`shard_hf_batch`'s inputs; generation (a KV cache) is not supported.
     """
+    check_library("transformers", "models", user="parallelize_hf_model")
     name = type(model).__name__
     ring = getattr(pmesh.dims, "ring", 1)
     tp = getattr(pmesh.dims, "tp", 1)

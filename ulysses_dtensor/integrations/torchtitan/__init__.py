@@ -10,7 +10,7 @@ Pieces, each on one of torchtitan's extension points:
 * :mod:`.config_registry`: torchtitan's stock llama3 / qwen3 / qwen3 MoE /
   deepseek_v3 configs with Ulysses switched on (``ulysses.degree``,
   ``ulysses.attention_backend``);
-* :mod:`.trainer`: ``UlyssesTrainer`` (a ``Trainer`` subclass with its
+* :mod:`.trainer`: ``UlyssesTorchtitanTrainer`` (a ``Trainer`` subclass with its
   ``Config``), ``UlyssesValidator``;
 * :mod:`.metrics_processor`: ``UlyssesMetricsProcessor`` (torchtitan's, with the max
   loss taken over whole samples, not sp slices);
@@ -24,6 +24,7 @@ Pieces, each on one of torchtitan's extension points:
 The version is checked here, before anything imports torchtitan.
 """
 
+import warnings
 from importlib import import_module
 
 from ._requirements import require_torchtitan
@@ -32,7 +33,7 @@ require_torchtitan()
 
 _EXPORTS = {
     "UlyssesConfig": ".trainer",
-    "UlyssesTrainer": ".trainer",
+    "UlyssesTorchtitanTrainer": ".trainer",
     "UlyssesValidator": ".trainer",
     "UlyssesMetricsProcessor": ".metrics_processor",
     "UlyssesInnerAttention": ".attention",
@@ -42,10 +43,17 @@ _EXPORTS = {
     "ulysses_config": ".config_registry",
 }
 
+# Renamed (issue 53): two different classes were both UlyssesTrainer.
+_RENAMED = {"UlyssesTrainer": "UlyssesTorchtitanTrainer"}
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name in _RENAMED:  # the old name, for one release
+        warnings.warn(f"{__name__}.{name} is deprecated: use {_RENAMED[name]} (the same class)",
+                      DeprecationWarning, stacklevel=2)
+        name = _RENAMED[name]
     # Lazy: importing torchtitan costs seconds; the version check above does not.
     if name in _EXPORTS:
         return getattr(import_module(_EXPORTS[name], __name__), name)

@@ -15,7 +15,7 @@ in ``--override.imports`` (with ``{"backend": ...}``) replaces the inner
 attention of every attention config (GQA: llama3, qwen3; MLA: deepseek_v3).
 The replaced config keeps the sharding config torchtitan declared on the inner
 attention (its ``local_map`` under tensor parallelism: q, k, v arrive as the
-local heads of a tp rank). :class:`~.trainer.UlyssesTrainer` activates it from
+local heads of a tp rank). :class:`~.trainer.UlyssesTorchtitanTrainer` activates it from
 ``ulysses.attention_backend``.
 """
 

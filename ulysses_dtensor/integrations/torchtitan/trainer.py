@@ -22,6 +22,7 @@ for the inner attention.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,7 @@ from .sp_batch import shard_for_sp
 __all__ = [
     "ATTENTION_BACKENDS",
     "UlyssesConfig",
-    "UlyssesTrainer",
+    "UlyssesTorchtitanTrainer",
     "UlyssesValidator",
     "prepare_config",
     "validate_ulysses",
@@ -87,7 +88,7 @@ def _training_defaults() -> TrainingConfig:
     return TrainingConfig(disable_cuda_graphs=True)
 
 
-def validate_ulysses(config: "UlyssesTrainer.Config") -> None:
+def validate_ulysses(config: "UlyssesTorchtitanTrainer.Config") -> None:
     """Reject torchtitan settings that conflict with Ulysses, each with one clear message."""
     sp = config.ulysses.degree
     p = config.parallelism
@@ -119,7 +120,7 @@ def validate_ulysses(config: "UlyssesTrainer.Config") -> None:
     targets = [e if isinstance(e, str) else e[0] for e in config.override.imports]
     if OVERRIDE_TARGET in targets:
         raise ValueError(
-            f"override.imports lists {OVERRIDE_TARGET}, which UlyssesTrainer activates itself; "
+            f"override.imports lists {OVERRIDE_TARGET}, which UlyssesTorchtitanTrainer activates itself; "
             "remove it and choose the backend with ulysses.attention_backend"
         )
     tp = p.tensor_parallel_degree
@@ -146,8 +147,8 @@ def validate_ulysses(config: "UlyssesTrainer.Config") -> None:
         )
 
 
-def prepare_config(config: "UlyssesTrainer.Config") -> None:
-    """What UlyssesTrainer changes before torchtitan's Trainer builds anything.
+def prepare_config(config: "UlyssesTorchtitanTrainer.Config") -> None:
+    """What UlyssesTorchtitanTrainer changes before torchtitan's Trainer builds anything.
 
     Our parallelize function goes into the model spec; our inner attention is
     requested through torchtitan's override registry, which ``Trainer.__init__``
@@ -182,7 +183,7 @@ class UlyssesValidator(Validator):
         return inputs, labels, extra
 
 
-class UlyssesTrainer(Trainer):
+class UlyssesTorchtitanTrainer(Trainer):
     """torchtitan's Trainer with Ulysses sequence parallelism on its ``cp`` mesh axis."""
 
     @dataclass(kw_only=True, slots=True)
@@ -265,3 +266,11 @@ class UlyssesTrainer(Trainer):
         # This rank's own tokens, as torchtitan counts after its CP split.
         self.ntokens_seen += real_tokens
         return inputs, labels, extra
+
+
+def __getattr__(name: str):
+    if name == "UlyssesTrainer":  # the old name (issue 53), for one release
+        warnings.warn(f"{__name__}.UlyssesTrainer is deprecated: use UlyssesTorchtitanTrainer (the same class)",
+                      DeprecationWarning, stacklevel=2)
+        return UlyssesTorchtitanTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

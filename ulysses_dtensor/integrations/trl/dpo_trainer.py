@@ -69,8 +69,10 @@ class UlyssesDPOTrainer(UlyssesRLMixin, DPOTrainer):
 
     trl_class = DPOTrainer
     loss_is_scaled_for_ga = False  # TRL's DPO loss is a per-batch mean: the Trainer divides it by the steps
+    version_checks = UlyssesRLMixin.version_checks + (("trl", "DPOTrainer"),)
 
     def __init__(self, *args, ulysses_args: UlyssesArguments | None = None, **kwargs):
+        self.check_versions()  # before TRL's __init__ (its hash_module is patched around it)
         self._router_logits_as_trl_asks(kwargs.get("model", args[0] if args else None),
                                         kwargs.get("args", args[2] if len(args) > 2 else None))
         with _sharded_hashing():  # the precompute's cache key, over the already sharded policy

@@ -75,9 +75,11 @@ class UlyssesGRPOTrainer(UlyssesRLMixin, GRPOTrainer):
     (``ulysses_args=UlyssesArguments(...)``); see the module doc for what differs."""
 
     trl_class = GRPOTrainer
+    version_checks = UlyssesRLMixin.version_checks + (("trl", "GRPOTrainer"),)
 
     def __init__(self, model, reward_funcs=None, args=None, *rest, ulysses_args: UlyssesArguments | None = None,
                  **kwargs):
+        self.check_versions()  # before the batch sizes are fitted to TRL's config
         ulysses_args = UlyssesArguments() if ulysses_args is None else ulysses_args
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")

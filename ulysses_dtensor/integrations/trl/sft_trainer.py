@@ -44,6 +44,8 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
     """TRL's ``SFTTrainer`` with Ulysses SP, FSDP2 / HSDP and the memory switches
     (``ulysses_args=UlyssesArguments(...)``); see the module doc for what differs."""
 
+    version_checks = UlyssesTrainerMixin.version_checks + (("trl", "SFTTrainer"),)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Offloading is the parallelized layers' own (parallelize_options); TRL's context would

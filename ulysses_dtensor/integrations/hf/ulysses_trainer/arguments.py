@@ -42,7 +42,7 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_npu_fused", "sgd"
 
 @dataclass
 class UlyssesArguments:
-    """The mesh and memory switches of :class:`~.mixin.UlyssesTrainer` (defaults: plain FSDP2)."""
+    """The mesh and memory switches of :class:`~.mixin.UlyssesHFTrainer` (defaults: plain FSDP2)."""
 
     sp_size: int = field(default=1, metadata={
         "help": "Sequence-parallel degree: the ranks that split one sequence (Ulysses, and the ring past the head "
@@ -112,7 +112,7 @@ class UlyssesArguments:
 
 
 def _refusal(args, name: str, value: Any, why: str) -> str:
-    return f"{type(args).__name__}.{name}={value!r} is not supported by UlyssesTrainer: {why}"
+    return f"{type(args).__name__}.{name}={value!r} is not supported by UlyssesHFTrainer: {why}"
 
 
 def check_training_arguments(args) -> None:
@@ -123,7 +123,7 @@ def check_training_arguments(args) -> None:
         ("deepspeed", args.deepspeed, bool(args.deepspeed),
          "the model is sharded with FSDP2 over dp_shard x sp here (ZeRO-3's counterpart); remove deepspeed="),
         ("fsdp", fsdp, bool(fsdp),
-         "UlyssesTrainer applies FSDP2 / HSDP itself (UlyssesArguments.dp_replicate_size / dp_shard_size, "
+         "UlyssesHFTrainer applies FSDP2 / HSDP itself (UlyssesArguments.dp_replicate_size / dp_shard_size, "
          "offload_params for CPU offload); remove fsdp= and fsdp_config="),
         ("parallelism_config", args.parallelism_config, args.parallelism_config is not None,
          "the mesh is UlyssesArguments' (ParallelismConfig(sp_size=N, dp_shard_size=M, dp_replicate_size=R) is "

@@ -49,7 +49,7 @@ def sp_batch(inputs: Mapping, *, need_labels: bool) -> dict[str, Tensor]:
     unknown = [k for k in inputs if k not in _MODEL_KEYS + FLATTENING_KEYS]
     if unknown:
         raise UlyssesTrainerError(
-            f"batch key {unknown[0]!r} is not supported by UlyssesTrainer: the model runs its text path on a slice "
+            f"batch key {unknown[0]!r} is not supported by UlyssesHFTrainer: the model runs its text path on a slice "
             f"of the sequence, from {', '.join(_MODEL_KEYS)} (plus a flattening collator's "
             f"{', '.join(FLATTENING_KEYS)}); drop it from the dataset or the collator")
     ids = inputs.get("input_ids")

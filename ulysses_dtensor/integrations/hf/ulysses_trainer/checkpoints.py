@@ -125,7 +125,7 @@ def load_model(model: nn.Module, base: nn.Module, checkpoint: str, *, peft: bool
             load_hf_weights(base, checkpoint)
         return
     if not has_training_state(checkpoint):
-        raise UlyssesTrainerError(f"{checkpoint} has no {STATE_DIR}/ (a checkpoint of UlyssesTrainer holds the "
+        raise UlyssesTrainerError(f"{checkpoint} has no {STATE_DIR}/ (a checkpoint of UlyssesHFTrainer holds the "
                                   "trained adapter there): it cannot be resumed")
     state = {"model": get_model_state_dict(model, options=_TRAINED)}
     with _resuming(checkpoint):

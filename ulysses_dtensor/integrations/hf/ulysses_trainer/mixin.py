@@ -1,13 +1,17 @@
-"""``UlyssesTrainer``: transformers' ``Trainer`` with this package's Ulysses SP (and the ring
+"""``UlyssesHFTrainer``: transformers' ``Trainer`` with this package's Ulysses SP (and the ring
 past the head count), FSDP2 / HSDP and memory switches, the change in one place::
 
-    trainer = UlyssesTrainer(model=model, args=training_args, train_dataset=ds, data_collator=collator,
-                             ulysses_args=UlyssesArguments(sp_size=4))   # was: Trainer(...)
+    trainer = UlyssesHFTrainer(model=model, args=training_args, train_dataset=ds, data_collator=collator,
+                               ulysses_args=UlyssesArguments(sp_size=4))   # was: Trainer(...)
 
 :class:`UlyssesTrainerMixin` is the whole change, for any Trainer subclass
 (``class MyTrainer(UlyssesTrainerMixin, MyBaseTrainer)``; TRL's SFTTrainer:
 :mod:`ulysses_dtensor.integrations.trl`). What it does at each of the Trainer's seams:
 
+* ``__init__``, first: the installed transformers and accelerate (TRL for TRL's trainers,
+  peft for a peft model) against the versions the parity tests ran
+  (:mod:`ulysses_dtensor.integrations.versions`: a warning, or a refusal naming a private
+  member this trainer relies on that the installed version lacks);
 * ``create_accelerator_and_postprocess`` (inside ``Trainer.__init__``, once the process
   group exists): refuses the TrainingArguments it cannot honour
   (:mod:`.arguments`), builds the mesh, parallelizes the model in place
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -52,6 +57,7 @@ from ulysses_dtensor.parallel.mesh import ParallelDims
 from ulysses_dtensor.runtime.allocator import allocator_banner, apply_allocator_default
 from ulysses_dtensor.runtime.nonfinite import check_finite_state, inject_nonfinite_loss
 
+from ...versions import UntestedVersionError, check_library
 from ..attention_function import DOCUMENT_IDS_KWARG
 from ..causal_lm import adapt_causal_lm
 from ..model_inputs import SEQ_LEN_KWARG, shard_hf_batch
@@ -69,9 +75,9 @@ from .checkpoints import (
     save_training_state,
 )
 from .nonfinite_steps import NonFiniteSteps
-from .refusals import UlyssesTrainerError
+from .refusals import UlyssesTrainerError, install_report_hook
 
-__all__ = ["UlyssesTrainer", "UlyssesTrainerMixin"]
+__all__ = ["UlyssesHFTrainer", "UlyssesTrainerMixin"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +108,7 @@ def _check_same_weights(model: nn.Module, device: torch.device) -> None:
     meta = [n for n, p in params if p.is_meta]
     if meta:
         raise UlyssesTrainerError(
-            f"the model's parameters are on the meta device ({meta[0]}, ...): UlyssesTrainer trains "
+            f"the model's parameters are on the meta device ({meta[0]}, ...): UlyssesHFTrainer trains "
             "the weights the model holds; load them (from_pretrained) before building the trainer")
     if dist.get_world_size() == 1:
         return
@@ -124,12 +130,12 @@ def _accelerator_settings(trainer) -> tuple[str, str | None]:
         engine = "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP"
         raise UlyssesTrainerError(
             f"the accelerate configuration enables {engine} (accelerate launch --config_file / "
-            "ACCELERATE_USE_* variables): UlyssesTrainer shards the model with FSDP2 itself; launch "
+            "ACCELERATE_USE_* variables): UlyssesHFTrainer shards the model with FSDP2 itself; launch "
             "with a plain multi-process configuration")
     precision = str(getattr(trainer.accelerator, "mixed_precision", "no"))
     if precision not in ("no", "bf16"):
         raise UlyssesTrainerError(
-            f"the accelerate configuration sets mixed_precision={precision!r}: UlyssesTrainer runs "
+            f"the accelerate configuration sets mixed_precision={precision!r}: UlyssesHFTrainer runs "
             "float32 or bf16 (FSDP2 mixed precision with float32 master weights); use bf16")
     dynamo = trainer.accelerator.state.dynamo_plugin
     return precision, None if dynamo is None else str(getattr(dynamo.backend, "value", dynamo.backend)).lower()
@@ -153,14 +159,14 @@ def _transformers_model(model: nn.Module) -> nn.Module:
     """The transformers model to parallelize (a peft model's base), or the reason it cannot be."""
     inner = model.get_base_model() if _is_peft(model) else model
     if not isinstance(inner, PreTrainedModel):
-        raise TypeError(f"UlyssesTrainer trains a transformers PreTrainedModel (or a peft model of one), got "
+        raise TypeError(f"UlyssesHFTrainer trains a transformers PreTrainedModel (or a peft model of one), got "
                         f"{type(inner).__name__}")
     if getattr(inner, "hf_device_map", None) is not None:
         raise UlyssesTrainerError("the model was loaded with a device_map (split across devices): load it with "
                                   "device_map=None; FSDP2 places each rank's shards on its device")
     if getattr(inner, "quantization_method", None) is not None:
         raise UlyssesTrainerError(
-            f"a quantized model ({inner.quantization_method}) is not supported by UlyssesTrainer: "
+            f"a quantized model ({inner.quantization_method}) is not supported by UlyssesHFTrainer: "
             "FSDP2 shards floating-point parameters")
     return inner
 
@@ -173,7 +179,24 @@ class UlyssesTrainerMixin(NonFiniteSteps):
     # (micro-batches included): nothing for the Trainer to divide.
     loss_is_scaled_for_ga = True
 
+    # (library, part) whose private members this trainer relies on (integrations/versions.py),
+    # checked first in __init__; TRL's trainers add their own.
+    version_checks: tuple[tuple[str, str], ...] = (("transformers", "Trainer"), ("accelerate", "Accelerator"))
+
+    @classmethod
+    def check_versions(cls) -> None:
+        """Warn about a library version the parity tests did not run; UntestedVersionError
+        (one line per node when the script does not catch it) when a private member this
+        trainer relies on is gone from it."""
+        try:
+            for library, part in cls.version_checks:
+                check_library(library, part, user=cls.__name__)
+        except UntestedVersionError:
+            install_report_hook()
+            raise
+
     def __init__(self, *args, ulysses_args: UlyssesArguments | None = None, **kwargs):
+        self.check_versions()
         if ulysses_args is None:
             ulysses_args = UlyssesArguments()
         if not isinstance(ulysses_args, UlyssesArguments):
@@ -195,8 +218,8 @@ class UlyssesTrainerMixin(NonFiniteSteps):
     def create_accelerator_and_postprocess(self) -> None:
         self.check_arguments()
         if self.model is None:
-            raise UlyssesTrainerError("UlyssesTrainer needs model=: model_init= would build the model inside train(), "
-                                      "after the model must already be sharded")
+            raise UlyssesTrainerError("UlyssesHFTrainer needs model=: model_init= would build the model inside "
+                                      "train(), after the model must already be sharded")
         super().create_accelerator_and_postprocess()
         precision, backend = _accelerator_settings(self)
         options = parallelize_options(self.args, self.ulysses_args, mixed_precision=precision,
@@ -208,19 +231,21 @@ class UlyssesTrainerMixin(NonFiniteSteps):
         make_sp_accelerator(self.accelerator, self.pmesh)
         self.gather_function = self.accelerator.gather_for_metrics
         self._sp_model = _transformers_model(self.model)
+        if _is_peft(self.model):
+            check_library("peft", user=type(self).__name__)
         _check_same_weights(self._sp_model, self.args.device)
         parallelize_hf_model(self._sp_model, self.pmesh, **options)
         if self.is_world_process_zero():
-            logger.info("UlyssesTrainer %s", allocator_banner(self.args.device.type))
+            logger.info("UlyssesHFTrainer %s", allocator_banner(self.args.device.type))
 
     def _check_trainer_objects(self) -> None:
         if self.compute_loss_func is not None:
             raise UlyssesTrainerError(
-                "compute_loss_func= is not supported by UlyssesTrainer: it would see one rank's slice of "
+                "compute_loss_func= is not supported by UlyssesHFTrainer: it would see one rank's slice of "
                 "the logits; the loss is the sp-sharded token mean")
         if self.optimizer is not None or self.lr_scheduler is not None:
             raise UlyssesTrainerError(
-                "optimizers=(optimizer, scheduler) is not supported by UlyssesTrainer: the optimizer "
+                "optimizers=(optimizer, scheduler) is not supported by UlyssesHFTrainer: the optimizer "
                 "must hold the sharded parameters, which exist only once the trainer parallelized the "
                 "model; pass optimizer_cls_and_kwargs=(cls, kwargs) instead")
 
@@ -360,6 +385,14 @@ class UlyssesTrainerMixin(NonFiniteSteps):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 
-class UlyssesTrainer(UlyssesTrainerMixin, Trainer):
+class UlyssesHFTrainer(UlyssesTrainerMixin, Trainer):
     """transformers' ``Trainer`` with Ulysses SP, FSDP2 / HSDP and the memory switches
     (``ulysses_args=UlyssesArguments(...)``); everything else is the Trainer's."""
+
+
+def __getattr__(name: str):
+    if name == "UlyssesTrainer":  # the old name (issue 53), for one release
+        warnings.warn(f"{__name__}.UlyssesTrainer is deprecated: use UlyssesHFTrainer (the same class)",
+                      DeprecationWarning, stacklevel=2)
+        return UlyssesHFTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Non-finite steps under ``UlyssesTrainer``: skipped on every rank, and the run stopped
+"""Non-finite steps under ``UlyssesHFTrainer``: skipped on every rank, and the run stopped
 after ``UlyssesArguments.max_nonfinite_steps`` in a row (the trainer's
 ``training.max_nonfinite_steps``, :mod:`ulysses_dtensor.runtime.nonfinite`).
 

@@ -1,4 +1,4 @@
-"""``UlyssesTrainerError``: what UlyssesTrainer cannot run with, said once per node.
+"""``UlyssesTrainerError``: what UlyssesHFTrainer cannot run with, said once per node.
 
 Its refusals of arguments, a model whose weights differ between ranks, a batch
 it cannot split, a checkpoint it cannot resume from: each is a
@@ -8,12 +8,14 @@ and what would run. The script that meets one is the user's, with its own
 them under ``torchrun --nproc_per_node=8``), and torchrun stops the slower ranks
 before theirs is written. So the first such error a process creates installs a
 ``sys.excepthook``: when the error ends the script, the first rank of the node
-prints ``UlyssesTrainer error: <message>`` and the others nothing
+prints ``UlyssesHFTrainer error: <message>`` and the others nothing
 (:func:`~ulysses_dtensor.runtime.node_report.report_once_per_node`); the exit
 status stays Python's 1. A run stopped for non-finite steps
 (:class:`~ulysses_dtensor.runtime.nonfinite.NonFiniteError`) is reported the same
-way, its message unprefixed. Any other exception goes to the hook that was there
-before; an error the script catches is the script's.
+way, its message unprefixed; a library version it cannot run with
+(:class:`~ulysses_dtensor.integrations.versions.UntestedVersionError`) like a refusal.
+Any other exception goes to the hook that was there before; an error the script
+catches is the script's.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import sys
 from ulysses_dtensor.runtime.node_report import report_once_per_node
 from ulysses_dtensor.runtime.nonfinite import NonFiniteError
 
+from ...versions import UntestedVersionError
+
 __all__ = ["UlyssesTrainerError", "install_report_hook"]
 
-KIND = "UlyssesTrainer error"
+KIND = "UlyssesHFTrainer error"
 
 
 class UlyssesTrainerError(ValueError):
-    """A setting, model, batch or checkpoint UlyssesTrainer cannot run with (see the module doc)."""
+    """A setting, model, batch or checkpoint UlyssesHFTrainer cannot run with (see the module doc)."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -40,14 +44,15 @@ _previous_hook = None
 
 
 def install_report_hook() -> None:
-    """Report an uncaught UlyssesTrainerError or NonFiniteError once per node (idempotent)."""
+    """Report an uncaught UlyssesTrainerError, UntestedVersionError or NonFiniteError once per
+    node (idempotent)."""
     global _previous_hook
     if _previous_hook is None:
         _previous_hook, sys.excepthook = sys.excepthook, _report_hook
 
 
 def _report_hook(exc_type, exc, tb) -> None:
-    if isinstance(exc, UlyssesTrainerError):
+    if isinstance(exc, (UlyssesTrainerError, UntestedVersionError)):
         report_once_per_node(KIND, exc)
     elif isinstance(exc, NonFiniteError):
         report_once_per_node("", exc)
