@@ -121,7 +121,7 @@ def _clear_dtensor_caches() -> None:
     # Three more caches keep every mesh they saw (torch 2.13): redistribute's planners
     # and transform plans, keyed by spec, and the collective cost model's topology.
     # Their groups then outlived the task, which retired its pool: a full run started
-    # 55 pools, and 9 with this cleanup (docs/testing.md).
+    # 55 pools, and 9 with this cleanup (tests/README.md).
     import torch.distributed.tensor._collective_utils as collective_utils
     import torch.distributed.tensor._redistribute as redistribute
 

@@ -14,8 +14,8 @@
   for a package); every ``train_configs/``, ``scripts/``, ``benchmarks/``,
   ``tests/``, ``docs/`` and package path named exists; the names Python examples
   import from ``ulysses_dtensor`` exist.
-* README.md is at most :data:`README_MAX_LINES` lines, and every page of docs/ is
-  linked from README.md or docs/README.md.
+* README.md is at most :data:`README_MAX_LINES` lines, every page of docs/ is
+  linked from README.md or docs/README.md, and docs/ stays within :data:`DOCS_MAX_WORDS`.
 
 Each failure is one line ``page:line: problem``.
 """
@@ -397,6 +397,20 @@ def test_readme_is_short_and_every_page_is_linked():
     linked = {_resolve(page, t)[0] for page in (readme, index) for _, t in _links(page)}
     missing = [f"{_rel(p)}:1: not linked from README.md or docs/README.md" for p in PAGES[1:] if p not in linked]
     assert not missing, "\n".join(missing)
+
+
+# The user's manual stays walkable: docs/ in words, what is generated left out (the config
+# reference, the family table), maintainer pages outside docs/ (tests/README.md, benchmarks/README.md).
+DOCS_MAX_WORDS = 20_000
+GENERATED = re.compile(r"<!-- family-table:begin -->.*?<!-- family-table:end -->", re.S)
+
+
+def test_docs_stay_within_their_word_budget():
+    counts = {_rel(p): len(GENERATED.sub("", p.read_text()).split())
+              for p in PAGES[1:] if p.name != "config-reference.md"}
+    total = sum(counts.values())
+    biggest = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:5])
+    assert total <= DOCS_MAX_WORDS, f"docs/: {total} words, more than {DOCS_MAX_WORDS} (largest: {biggest})"
 
 
 def test_ci_runs_the_documented_test_commands():

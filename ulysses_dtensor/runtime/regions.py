@@ -12,7 +12,7 @@ them through autograd's sequence numbers to the forward op that made them.
 
 Cost: with no profiler running a region is one check of a module flag (and, for
 ``with region(...)``, a shared no-op context): 0.4-0.7 microseconds on a busy CPU
-(docs/benchmarks.md). Inside ``torch.compile`` a region is a no-op context too (no
+(benchmarks/README.md, "Reading the region table"). Inside ``torch.compile`` a region is a no-op context too (no
 graph break, no guard on the profiler's state): compiled code shows up in a
 profile under the compiled graph's own names instead.
 """
