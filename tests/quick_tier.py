@@ -35,6 +35,7 @@ WHOLE_FILES = {
     "test_regions.py",
     "test_llama.py",
     "test_memory_features.py",
+    "test_memory_options.py",
     "test_nonfinite.py",
     "test_norm.py",
     "test_rope.py",

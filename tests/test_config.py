@@ -256,6 +256,7 @@ EFFECT_CASES = {
     "activation_checkpoint.selective": ("2", ["--activation_checkpoint.mode", "selective"]),
     "memory.mlp_tiles": ("4", ["--memory.tiled_mlp", "true"]),
     "memory.loss_chunks": ("4", ["--memory.tiled_loss", "true"]),
+    "memory.offload_dir": ("/tmp", ["--memory.offload_activations", "true", "--activation_checkpoint.mode", "full"]),
     "checkpoint.folder": ("ckpts", ["--checkpoint.enable", "true"]),
     "checkpoint.interval": ("7", ["--checkpoint.enable", "true"]),
     "checkpoint.keep_latest_k": ("2", ["--checkpoint.enable", "true"]),

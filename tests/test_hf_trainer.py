@@ -554,18 +554,18 @@ def test_training_arguments_that_cannot_run_are_refused_by_name(overrides, name)
 def test_training_arguments_translate_to_the_parallelize_options():
     check_training_arguments(_training_args())  # the defaults run
     plain = parallelize_options(_training_args(), UlyssesArguments())
-    assert (plain["ac_mode"], plain["compile"], plain["param_dtype"]) == ("none", False, torch.float32)
+    assert (plain["memory"].ac_mode, plain["compile"], plain["param_dtype"]) == ("none", False, torch.float32)
     full = parallelize_options(_training_args(activation_checkpointing=True, torch_compile=True, bf16=True),
                                UlyssesArguments(tiled_mlp=True, sp_size=2))
-    assert (full["ac_mode"], full["compile"], full["param_dtype"], full["tiled_mlp"]) == ("full", True,
-                                                                                        torch.bfloat16, True)
+    assert (full["memory"].ac_mode, full["compile"], full["param_dtype"], full["memory"].tiled_mlp) == (
+        "full", True, torch.bfloat16, True)
     every = parallelize_options(_training_args(activation_checkpointing=True,
                                                activation_checkpointing_kwargs={"every_n_layers": 2}),
                                 UlyssesArguments())
-    assert (every["ac_mode"], every["selective_ac"]) == ("selective", 2)
+    assert (every["memory"].ac_mode, every["memory"].selective_ac) == ("selective", 2)
     offload = parallelize_options(_training_args(activation_checkpointing_kwargs={"offload": True}),
                                   UlyssesArguments())
-    assert (offload["ac_mode"], offload["offload_activations"]) == ("full", True)
+    assert (offload["memory"].ac_mode, offload["memory"].offload_activations) == ("full", True)
     for bad, match in [(dict(sp_size=0), "sp_size=0"), (dict(sp_size=4, ring_size=3), "ring_size=3 must divide"),
                        (dict(attn_backend="flash"), "attn_backend='flash'"), (dict(dp_shard_size=0), "dp_shard_size")]:
         with pytest.raises(ValueError, match=match):

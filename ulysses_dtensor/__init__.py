@@ -25,6 +25,7 @@ _EXPORTS = {
     "CollectiveCounter": "parallel.comm_stats",
     "parallelize_llama": "models.llama_parallelize",
     "clip_grad_norm_": "models.llama_parallelize",
+    "MemoryOptions": "memory.options",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ..memory.offload import HostOffloader, OffloadedCheckpointBlock
+from ..memory.options import AC_MODES, MemoryOptions, parse_selective_ac
 from ..memory.saved_attention import (
     AttentionKeeping,
     attention_keeping,
@@ -65,29 +66,20 @@ from ..runtime.suggest import unknown_name
 
 __all__ = ["AC_MODES", "check_memory_options", "clip_grad_norm_", "needs_rng_replay", "parallelize_llama"]
 
-AC_MODES = ("none", "full", "selective")
 
 
 def parallelize_llama(
     model: nn.Module,
     pmesh: ParallelMesh,
     *,
-    ac_mode: str = "none",
-    selective_ac: str | int = "op",
+    memory: MemoryOptions | None = None,
     compile: bool = False,
     compile_backend: str | Callable = "inductor",
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     pack_qkv: bool = False,
-    tiled_mlp: bool = False,
-    mlp_tiles: int | None = None,
-    tiled_loss: bool = False,
-    loss_chunks: int | None = None,
-    offload_activations: bool = False,
-    offload_params: bool = False,
-    save_attention: bool = False,
-    head_chunks: int | None = None,
+    **switches,
 ) -> nn.Module:
     """Parallelize ``model`` (a :class:`~ulysses_dtensor.models.llama.Llama`) in place.
 
@@ -97,11 +89,10 @@ def parallelize_llama(
 
     Args:
         pmesh: from ``ParallelDims(...).build_mesh(device_type)``.
-        ac_mode: ``"none"``, ``"full"`` (every block), or ``"selective"``.
-        selective_ac: with ``ac_mode="selective"``: ``"op"`` saves matmul and
-            attention outputs (every other matmul recomputed) and the Ulysses
-            all-to-all outputs, so recompute needs no communication; an int
-            ``k`` checkpoints every k-th block fully.
+        memory: the memory switches (:class:`~ulysses_dtensor.memory.options.MemoryOptions`:
+            activation checkpointing and what it keeps, tiled MLP and loss, host offload,
+            head chunks). ``**switches``: the same as keywords (``ac_mode="full"``,
+            ``tiled_mlp=True``, ...), folded into ``memory``.
         compile: ``torch.compile(block, fullgraph=True)`` per transformer block.
         compile_backend: e.g. ``"inductor"`` (CPU needs a C++ compiler),
             ``"aot_eager"`` (no code generation), or a backend callable.
@@ -111,46 +102,25 @@ def parallelize_llama(
             forward (ZeRO-3). The last block always keeps them, since backward
             needs them at once.
         pack_qkv: one all-to-all for q, k and v together instead of three.
-        tiled_mlp: compute each block's MLP over sequence tiles, recomputed
-            per tile in backward (``mlp_tiles`` tiles; None = from the shapes).
-        tiled_loss: compute the output projection and loss over sequence
-            chunks, never the whole logits (``loss_chunks``; None = from the
-            shapes). Applies when the model is called with ``labels=``.
-        offload_activations: with ``ac_mode="full"``, keep each block's input
-            in pinned host memory between forward and backward
-            (``model.offloader`` reports the bytes).
-        save_attention: with ``ac_mode="full"``, keep each block's attention
-            kernel outputs (output and log-sum-exp) from forward: the
-            recompute runs everything else, the exchange included, but not
-            the attention forward. With ``offload_activations`` they go to the
-            host with the block input. ``model.attention_keeping`` counts what
-            was kept; a forward that kept nothing (attention not run as one
-            kernel: see :mod:`~ulysses_dtensor.memory.saved_attention`) warns once.
-        offload_params: keep the parameter shards, their gradients and the
-            optimizer state in host memory (FSDP2 ``CPUOffloadPolicy``,
-            pinned on CUDA): each group is copied to the device for its
-            all-gather, gradients go back to the host after the
-            reduce-scatter, and the optimizer steps on the CPU. The device
-            then holds only the unsharded parameters in use and activations.
-            CPU tensors meet in collectives (gradient-norm clipping), so on
-            CUDA the process group needs a CPU backend too
-            (``init_process_group("cuda:nccl,cpu:gloo")``).
-        head_chunks: run the exchange and the attention kernel over chunks of
-            a rank's heads, forward and backward, so that one chunk's
-            full-sequence tensors are alive at a time
-            (:mod:`~ulysses_dtensor.parallel.head_chunks`): None (default) one
-            query head per chunk where one layer's exchanged attention tensors
-            exceed 1 GiB per rank, else none; 1 none; or a count that follows
-            the kv groups.
+        The switches, in short (their full text is MemoryOptions'): ``ac_mode``
+            ``"none"`` / ``"full"`` / ``"selective"`` with ``selective_ac`` (``"op"``
+            or every k-th block); ``save_attention`` keeps the attention kernel's outputs
+            under full AC (offloaded with the block input under ``offload_activations``;
+            ``model.attention_keeping`` counts them); ``tiled_mlp`` / ``mlp_tiles`` and
+            ``tiled_loss`` / ``loss_chunks`` (``model.tiled_head``) tile over the sequence;
+            ``offload_activations`` keeps block inputs in pinned host memory
+            (``model.offloader`` reports the bytes); ``offload_params`` keeps parameter
+            shards, gradients and optimizer state on the host (materialise with
+            ``model.to_empty(device="cpu")``; on CUDA the process group needs a CPU
+            backend too: ``init_process_group("cuda:nccl,cpu:gloo")``); ``head_chunks``
+            runs the exchange and the kernel over chunks of a rank's heads
+            (:mod:`~ulysses_dtensor.parallel.head_chunks`; None: from the shapes).
     """
+    mem = MemoryOptions.merged(memory, switches, "parallelize_llama")  # the switches' own rules checked here
+    head_chunks = mem.head_chunks
     layers = _blocks(model)
-    if ac_mode not in AC_MODES:
-        raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
-    every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
     if compile and isinstance(compile_backend, str):
         _check_compile_backend(compile_backend)
-
-    check_memory_options(ac_mode, mlp_tiles, offload_activations, loss_chunks, save_attention)
 
     dims = pmesh.dims
     ring = getattr(dims, "ring", 1)
@@ -162,9 +132,6 @@ def parallelize_llama(
             kv_replication(args.n_heads, args.n_kv_heads, dims.sp // ring)
         check_chunks_for_heads(head_chunks, args.n_heads // tp, args.n_kv_heads // tp, dims.sp // ring,
                                "parallelize_llama: head_chunks")
-    elif head_chunks is not None and (isinstance(head_chunks, bool) or not isinstance(head_chunks, int)
-                                      or head_chunks < 1):
-        raise ValueError(f"head_chunks={head_chunks!r} must be a positive integer (1: no chunks) or None")
     if tp > 1:
         # Tensor parallelism first: q/k/v then carry heads / tp heads into the exchange.
         tensor_parallelize(list(layers.values()), pmesh.tp, LLAMA_TP_PLAN)
@@ -177,10 +144,11 @@ def parallelize_llama(
             parallelize_module(attn.inner, pmesh.ulysses, UlyssesAttention(pack_qkv=pack_qkv, head_chunks=head_chunks))
         model.sp_mesh = pmesh.sp
 
-    _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks)
-    offloader = HostOffloader() if offload_activations else None
+    _set_tiling(model, layers, mem.tiled_mlp, mem.mlp_tiles, mem.tiled_loss, mem.loss_chunks)
+    offloader = HostOffloader() if mem.offload_activations else None
     model.offloader = offloader
-    keep = attention_keeping(model, save_attention)
+    model.memory_options = mem
+    keep = attention_keeping(model, mem.save_attention)
     rng = needs_rng_replay(model)
     # A kernel re-run in a chunk's backward cannot be traced into the block's graph.
     fullgraph = not recomputes_in_chunks(head_chunks, getattr(args, "attn_backend", "auto"), ())
@@ -194,13 +162,13 @@ def parallelize_llama(
             layers.register_module(layer_id, OffloadedCheckpointBlock(block, offloader, preserve_rng_state=rng,
                                                                       keep=keep))
             continue
-        block = checkpoint_block(block, int(layer_id), ac_mode, every_k, preserve_rng_state=rng, keep=keep)
+        block = checkpoint_block(block, int(layer_id), mem.ac_mode, mem.every_k, preserve_rng_state=rng, keep=keep)
         if compile:
             block = torch.compile(block, fullgraph=fullgraph, backend=compile_backend)
         layers.register_module(layer_id, block)
 
     mesh = pmesh.param_mesh
-    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload_params else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if mem.offload_params else OffloadPolicy()
     # Tied tables must stay in one group: the root's.
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     embed = getattr(model, "tok_embeddings", None) if not tied else None
@@ -280,21 +248,10 @@ def shard_model(
 
 def check_memory_options(ac_mode: str, mlp_tiles, offload_activations: bool, loss_chunks=None,
                          save_attention: bool = False) -> None:
-    """The memory switches' own rules, shared by every model this package parallelizes."""
-    for name, value in (("mlp_tiles", mlp_tiles), ("loss_chunks", loss_chunks)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}={value!r} must be a positive integer, or None for automatic")
-    if offload_activations and ac_mode != "full":
-        raise ValueError(
-            f"offload_activations=True needs ac_mode='full' (it offloads the block inputs that "
-            f"full checkpointing keeps), got ac_mode={ac_mode!r}"
-        )
-    if save_attention and ac_mode != "full":
-        raise ValueError(
-            f"save_attention=True needs ac_mode='full' (it keeps the attention outputs that full checkpointing "
-            f"would recompute; ac_mode='selective' with selective_ac='op' keeps them already), got "
-            f"ac_mode={ac_mode!r}"
-        )
+    """The memory switches' own rules (kept for callers of the keyword form; the rules
+    live in :class:`~ulysses_dtensor.memory.options.MemoryOptions`)."""
+    MemoryOptions(ac_mode=ac_mode, mlp_tiles=mlp_tiles, offload_activations=offload_activations,
+                  loss_chunks=loss_chunks, save_attention=save_attention)
 
 
 def _set_tiling(model, layers, tiled_mlp, mlp_tiles, tiled_loss, loss_chunks) -> None:
@@ -314,19 +271,7 @@ def _blocks(model: nn.Module) -> nn.ModuleDict:
     return layers
 
 
-def _parse_selective_ac(value) -> int | None:
-    if value == "op":
-        return None
-    try:
-        k = int(value)
-    except (TypeError, ValueError):
-        k = 0
-    if isinstance(value, bool) or k < 1:
-        raise ValueError(
-            f"selective_ac={value!r} must be 'op' or a positive integer k (checkpoint every "
-            "k-th block)"
-        )
-    return k
+_parse_selective_ac = parse_selective_ac  # the name other modules import
 
 
 def _check_compile_backend(name: str) -> None:

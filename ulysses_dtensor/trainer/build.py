@@ -96,6 +96,7 @@ def build_model(
     from ..models.llama import Llama
     from ..models.llama_parallelize import parallelize_llama
     from .hf_model import build_transformers_model, uses_transformers
+    from .memory_config import memory_options
 
     shape = args or model_args(cfg, vocab_size)
     check_attention_kernel(cfg.model.attn_backend, shape, device, _DTYPES[cfg.training.mixed_precision_param])
@@ -108,26 +109,15 @@ def build_model(
     with torch.device("meta"):
         model = Llama(args)
     apply_lora(cfg, model, native=True)  # peft's adapters, before FSDP shards the blocks holding them
-    ac = cfg.activation_checkpoint
-    selective = ac.selective if ac.selective == "op" else int(ac.selective)
     model = parallelize_llama(
         model,
         pmesh,
-        ac_mode=ac.mode,
-        selective_ac=selective,
+        memory=memory_options(cfg),
         compile=cfg.training.compile,
         compile_backend=cfg.training.compile_backend,
         param_dtype=_DTYPES[cfg.training.mixed_precision_param],
         reduce_dtype=_DTYPES[cfg.training.mixed_precision_reduce],
         pack_qkv=cfg.training.pack_qkv,
-        tiled_mlp=cfg.memory.tiled_mlp,
-        mlp_tiles=cfg.memory.mlp_tiles or None,
-        tiled_loss=cfg.memory.tiled_loss,
-        loss_chunks=cfg.memory.loss_chunks or None,
-        offload_activations=cfg.memory.offload_activations,
-        offload_params=cfg.memory.offload_params,
-        save_attention=ac.save_attention,
-        head_chunks=cfg.memory.head_chunks or None,
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if cfg.memory.offload_params else device)

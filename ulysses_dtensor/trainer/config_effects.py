@@ -67,6 +67,8 @@ EFFECT_RULES: list[EffectRule] = [
                "it is used with memory.tiled_mlp=true"),
     EffectRule("memory.loss_chunks", ("memory.tiled_loss",), lambda c: c.memory.tiled_loss,
                "it is used with memory.tiled_loss=true"),
+    EffectRule("memory.offload_dir", ("memory.offload_activations",), lambda c: c.memory.offload_activations,
+               "the disk tier holds the offloaded layer inputs: it is used with memory.offload_activations=true"),
     *(EffectRule(f"checkpoint.{k}", ("checkpoint.enable",), lambda c: c.checkpoint.enable,
                  "it is used with checkpoint.enable=true")
       for k in ("folder", "interval", "keep_latest_k")),

@@ -226,6 +226,10 @@ class Memory:
     offload_activations: bool = _f(
         False, "keep checkpointed block inputs in pinned host memory (needs activation_checkpoint.mode='full')"
     )
+    offload_dir: str = _f(
+        "", "with offload_activations: a directory on a local disk (NVMe) the offloaded layer inputs go to, "
+        "through a bounded pinned staging area in host memory ('': host memory only); checked for space before "
+        "step 1; its files are unlinked at once and never outlive the run")
     offload_params: bool = _f(
         False, "keep parameters, gradients and AdamW state in host memory; AdamW steps on the CPU"
     )

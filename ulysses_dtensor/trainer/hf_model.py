@@ -223,32 +223,25 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
         weight_conversions,
     )
     from .lora_setup import apply_lora, uses_lora
+    from .memory_config import memory_options
 
     model = _meta_model(_hf_config(cfg), n_layers)
     conversions = weight_conversions(model)  # of the plain class: FSDP renames it
     apply_lora(cfg, model, native=False)  # peft's adapters, before FSDP shards the layers holding them
-    ac = cfg.activation_checkpoint
     tr, mem = cfg.training, cfg.memory
     _shard_vision(model, pmesh, _DTYPES[tr.mixed_precision_param], _DTYPES[tr.mixed_precision_reduce],
                   mem.offload_params)
     parallelize_hf_model(
         model,
         pmesh,
-        ac_mode=ac.mode,
-        selective_ac=ac.selective if ac.selective == "op" else int(ac.selective),
+        memory=memory_options(cfg),
         compile=tr.compile,
         compile_backend=tr.compile_backend,
         param_dtype=_DTYPES[tr.mixed_precision_param],
         reduce_dtype=_DTYPES[tr.mixed_precision_reduce],
         attn_backend=cfg.model.attn_backend,
         pack_qkv=tr.pack_qkv,
-        tiled_mlp=mem.tiled_mlp,
-        mlp_tiles=mem.mlp_tiles or None,
-        offload_activations=mem.offload_activations,
-        offload_params=mem.offload_params,
         allow_untested=cfg.model.allow_untested,
-        save_attention=ac.save_attention,
-        head_chunks=mem.head_chunks or None,
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if mem.offload_params else device)
@@ -260,7 +253,7 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
         from ..integrations.lora import init_lora_weights
 
         init_lora_weights(model, cfg.job.seed)
-    return adapt_causal_lm(model, pmesh, loss_chunks=(mem.loss_chunks or None) if mem.tiled_loss else 1)
+    return adapt_causal_lm(model, pmesh)  # the loss tiling of model.memory_options
 
 
 def _shard_vision(model, pmesh, param_dtype, reduce_dtype, offload_params: bool) -> None:

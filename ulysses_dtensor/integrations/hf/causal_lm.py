@@ -445,7 +445,10 @@ def transformers_class(model: nn.Module) -> type:
     return type(model)
 
 
-def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1) -> nn.Module:
+_FROM_MEMORY = object()  # adapt_causal_lm's default: the loss tiling parallelize_hf_model was given
+
+
+def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None | object = _FROM_MEMORY) -> nn.Module:
     """Give ``model`` (a transformers causal LM, parallelized or not) the call
     interface of our Llama, in place; returns it.
 
@@ -455,11 +458,16 @@ def adapt_causal_lm(model: nn.Module, pmesh=None, *, loss_chunks: int | None = 1
             a model in one process.
         loss_chunks: with labels, compute logits + loss over this many sequence
             chunks (1: at once; None: from the shapes), like ``memory.tiled_loss``.
+            Default: what ``model.memory_options`` (set by ``parallelize_hf_model``)
+            says, else 1.
 
     Raises ValueError (naming the class) for a head :func:`check_output_head` cannot prove.
     """
     from torch.distributed.fsdp import register_fsdp_forward_method
 
+    if loss_chunks is _FROM_MEMORY:
+        mem = getattr(model, "memory_options", None)
+        loss_chunks = mem.loss_chunks if mem is not None and mem.tiled_loss else 1
     if loss_chunks is not None and (isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 1):
         raise ValueError(f"loss_chunks={loss_chunks!r} must be a positive integer, or None for automatic")
     router = None

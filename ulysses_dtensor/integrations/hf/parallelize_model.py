@@ -35,11 +35,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ulysses_dtensor.attention import check_backend
 from ulysses_dtensor.memory.offload import HostOffloader, OffloadedCheckpointBlock
 from ulysses_dtensor.memory.saved_attention import attention_keeping
+from ulysses_dtensor.memory.options import MemoryOptions
 from ulysses_dtensor.models.llama_parallelize import (
-    AC_MODES,
     _check_compile_backend,
-    _parse_selective_ac,
-    check_memory_options,
     checkpoint_block,
     needs_rng_replay,
     shard_model,
@@ -118,8 +116,7 @@ def parallelize_hf_model(
     model: nn.Module,
     pmesh: ParallelMesh,
     *,
-    ac_mode: str = "none",
-    selective_ac: str | int = "op",
+    memory: MemoryOptions | None = None,
     compile: bool = False,
     compile_backend: str | Callable = "inductor",
     param_dtype: torch.dtype = torch.float32,
@@ -127,13 +124,8 @@ def parallelize_hf_model(
     reshard_after_forward: bool = True,
     attn_backend: str = "auto",
     pack_qkv: bool = False,
-    tiled_mlp: bool = False,
-    mlp_tiles: int | None = None,
-    offload_activations: bool = False,
-    offload_params: bool = False,
     allow_untested: bool = False,
-    save_attention: bool = False,
-    head_chunks: int | None = None,
+    **switches,
 ) -> nn.Module:
     """Apply Ulysses SP, activation checkpointing, compile and FSDP2 to ``model`` in place.
 
@@ -144,8 +136,18 @@ def parallelize_hf_model(
     Args:
         pmesh: from ``ParallelDims(...).build_mesh(device_type)``. Parameters
             are sharded over ``dp_shard x sp`` (HSDP over ``dp_replicate``).
-        ac_mode, selective_ac, compile_backend, param_dtype, reduce_dtype,
-            reshard_after_forward, pack_qkv: as in
+        memory: the memory switches (:class:`~ulysses_dtensor.memory.options.MemoryOptions`);
+            ``**switches``: the same as keywords (``ac_mode="full"``, ``tiled_mlp=True``, ...).
+            As in ``parallelize_llama``, with these differences: ``tiled_mlp`` tiles each
+            decoder layer's per-token block (its MLP, or its MoE block: router, experts,
+            shared experts; :mod:`.memory_switches`); ``tiled_loss`` / ``loss_chunks`` act
+            in the output head :func:`~.causal_lm.adapt_causal_lm` puts on the model (it
+            reads them from ``model.memory_options``); ``save_attention`` recomputes the
+            ``sdpa`` backend's soft-cap / sinks path (not one kernel), with a warning; a
+            head chunk whose kernel has no split backward (soft-capping and sinks, ``flex``,
+            ``flash_attn``, ``cudnn`` with a mask) re-runs its attention forward in
+            backward, outside the layer's compiled graph.
+        compile_backend, param_dtype, reduce_dtype, reshard_after_forward, pack_qkv: as in
             :func:`~ulysses_dtensor.models.llama_parallelize.parallelize_llama`.
         compile: compile each decoder layer in place, with ``fullgraph=True``
             where transformers declares the model fullgraph-compilable
@@ -155,25 +157,6 @@ def parallelize_hf_model(
             ``"sdpa"``, ``"flash_attn"``, ``"varlen"``, ``"flex"``. Sliding
             windows, soft-capping and sinks pass through to it (``auto`` picks a
             kernel that has them; a named one that has not is refused).
-        tiled_mlp, mlp_tiles: compute each decoder layer's per-token block (its
-            MLP, or its MoE block: router, experts, shared experts) over tiles of
-            the tokens, recomputed per tile in backward (:mod:`.memory_switches`).
-        offload_activations: with ``ac_mode="full"``, keep each decoder layer's
-            input in pinned host memory between forward and backward
-            (``model.offloader`` reports the bytes; :mod:`~ulysses_dtensor.memory.offload`).
-        offload_params: FSDP2 ``CPUOffloadPolicy`` (parameter shards, gradients
-            and optimizer state in host memory; see ``parallelize_llama``).
-        save_attention: with ``ac_mode="full"``, keep the attention kernel's
-            outputs from forward instead of recomputing them, offloaded with the
-            layer input under ``offload_activations`` (see ``parallelize_llama``;
-            the ``sdpa`` backend's soft-cap / sinks path is not one kernel and is
-            recomputed, with a warning).
-        head_chunks: the exchange and the attention kernel over chunks of a
-            rank's heads (see ``parallelize_llama``; None: from the shapes). A
-            call whose kernel has no split backward (soft-capping and sinks,
-            ``flex``, ``flash_attn``, ``cudnn`` with a mask) re-runs its
-            chunk's attention forward in backward, and under ``compile`` runs
-            outside the layer's graph (compiled with graph breaks allowed).
         allow_untested: skip the family check. By default a family must pass the
             family matrix for the installed transformers (:mod:`~ulysses_dtensor.integrations.hf.matrix.results`; a family
             it refused is refused with its reason), or, when the matrix has not measured
@@ -198,15 +181,13 @@ def parallelize_hf_model(
     :func:`shard_hf_batch`'s inputs; generation (a KV cache) is not supported.
     """
     check_library("transformers", "models", user="parallelize_hf_model")
+    mem = MemoryOptions.merged(memory, switches, "parallelize_hf_model")  # the switches' own rules checked here
+    ac_mode, head_chunks = mem.ac_mode, mem.head_chunks
     name = type(model).__name__
     ring = getattr(pmesh.dims, "ring", 1)
     tp = getattr(pmesh.dims, "tp", 1)
     layers, attentions, linear, status = _check_model(model, pmesh.dims.ulysses, allow_untested, tp, head_chunks)
-    if ac_mode not in AC_MODES:
-        raise ValueError(f"ac_mode={ac_mode!r} must be one of {AC_MODES}")
-    every_k = _parse_selective_ac(selective_ac) if ac_mode == "selective" else None
-    check_memory_options(ac_mode, mlp_tiles, offload_activations, save_attention=save_attention)
-    blocks = per_token_blocks(name, layers) if tiled_mlp else []
+    blocks = per_token_blocks(name, layers) if mem.tiled_mlp else []
     if ring > 1:
         check_ring_model(model, attentions, linear, attn_backend, ring)
     tp_plan = check_tp_model(model, layers, linear, tp) if tp > 1 else None
@@ -261,7 +242,7 @@ def parallelize_hf_model(
     # The per-token blocks over tiles of the tokens, and RMSNorms that keep only their input for
     # backward (classes swapped in place: names unchanged).
     if blocks:
-        tile_per_token_blocks(blocks, mlp_tiles, per_token_width(model.config.get_text_config()))
+        tile_per_token_blocks(blocks, mem.mlp_tiles, per_token_width(model.config.get_text_config()))
     lean_norms(model)
 
     # 2-3. Activation checkpointing (or the host-offloaded checkpoint), then compile around
@@ -269,12 +250,13 @@ def parallelize_hf_model(
     # and side streams are not traceable, the layer is.
     fullgraph = bool(getattr(model, "_can_compile_fullgraph", False)) and not recomputes_in_chunks(
         head_chunks, attn_backend, model_patterns(model.config.get_text_config(), attentions))
-    model.offloader = HostOffloader() if offload_activations else None
-    keep = attention_keeping(model, save_attention)
+    model.offloader = HostOffloader() if mem.offload_activations else None
+    model.memory_options = mem
+    keep = attention_keeping(model, mem.save_attention)
     rng = needs_rng_replay(model)  # dropout (LoRA's): recomputation replays forward's masks
     for i, layer in enumerate(layers):
         if model.offloader is None:
-            layer = checkpoint_block(layer, i, ac_mode, every_k, preserve_rng_state=rng, keep=keep)
+            layer = checkpoint_block(layer, i, ac_mode, mem.every_k, preserve_rng_state=rng, keep=keep)
         if compile:
             layer.compile(backend=compile_backend, fullgraph=fullgraph)
         if model.offloader is not None:
@@ -282,7 +264,7 @@ def parallelize_hf_model(
         layers[i] = layer
 
     # 4. FSDP2 / HSDP, one group per decoder layer.
-    _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward, offload_params)
+    _fully_shard(model, layers, pmesh, param_dtype, reduce_dtype, reshard_after_forward, mem.offload_params)
     # Input checks run first, before FSDP's own pre-forward (all-gathers): bad
     # input fails before any communication.
     model.register_forward_pre_hook(

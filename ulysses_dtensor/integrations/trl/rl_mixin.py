@@ -23,6 +23,7 @@ data-parallel ranks is their mean, as DDP's average over TRL's processes is.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -99,7 +100,9 @@ class UlyssesRLMixin(UlyssesTrainerMixin):
             precision, backend = _accelerator_settings(self)
             options = parallelize_options(self.args, self.ulysses_args, mixed_precision=precision,
                                           dynamo_backend=backend)
-            options.update(ac_mode="none", offload_activations=False)  # no backward
+            # No backward: nothing checkpointed, offloaded or kept for one.
+            options["memory"] = dataclasses.replace(options["memory"], ac_mode="none", offload_activations=False,
+                                                    save_attention=False)
             inner.requires_grad_(False)
             inner.eval()
             _check_same_weights(inner, self.args.device)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ulysses_dtensor.attention.select import BACKENDS
+from ulysses_dtensor.memory.options import MemoryOptions
 
 from .refusals import UlyssesTrainerError
 
@@ -69,8 +70,14 @@ class UlyssesArguments:
     offload_activations: bool = field(default=False, metadata={
         "help": "Keep each checkpointed decoder layer's input in pinned host memory until backward (implies full "
                 "activation checkpointing)."})
+    offload_dir: str | None = field(default=None, metadata={
+        "help": "With offload_activations: a directory on a local disk (NVMe) the offloaded layer inputs go to, "
+                "through a bounded pinned staging area (None: host memory only)."})
     offload_params: bool = field(default=False, metadata={
         "help": "FSDP2 CPU offload: parameter shards, gradients and optimizer state in host memory."})
+    save_attention: bool = field(default=False, metadata={
+        "help": "With full activation checkpointing, keep each layer's attention kernel outputs from forward "
+                "instead of recomputing the attention (offloaded with the layer input under offload_activations)."})
     check_batches: bool = field(default=True, metadata={
         "help": "Check, at every batch, that the sp ranks of a group received the same batch (a few integers "
                 "exchanged): a dataset or collator that differs per rank would otherwise train on a mix."})
@@ -182,7 +189,7 @@ def check_training_arguments(args) -> None:
 def parallelize_options(args, ulysses: UlyssesArguments, *, mixed_precision: str | None = None,
                         dynamo_backend: str | None = None) -> dict:
     """Keyword arguments of :func:`~ulysses_dtensor.integrations.hf.parallelize_hf_model` for
-    these TrainingArguments (see the module doc for the translation). ``mixed_precision``
+    these TrainingArguments (the memory switches as one ``memory=MemoryOptions``) (see the module doc for the translation). ``mixed_precision``
     and ``dynamo_backend``: what the accelerator settled on (an ``accelerate launch``
     configuration can set them; ``"no"`` / None: nothing)."""
     ac_kwargs = dict(args.activation_checkpointing_kwargs or {})
@@ -195,9 +202,21 @@ def parallelize_options(args, ulysses: UlyssesArguments, *, mixed_precision: str
         ac_mode, selective = ("full", "op") if every == 1 else ("selective", int(every))
     else:
         ac_mode, selective = "none", "op"
-    return dict(
+    memory = MemoryOptions(
         ac_mode=ac_mode,
         selective_ac=selective,
+        save_attention=ulysses.save_attention,
+        tiled_mlp=ulysses.tiled_mlp,
+        mlp_tiles=ulysses.mlp_tiles,
+        tiled_loss=ulysses.loss_chunks != 1,  # 1: at once; 0 / None: from the shapes; n: n chunks
+        loss_chunks=(ulysses.loss_chunks or None) if ulysses.loss_chunks != 1 else None,
+        offload_activations=offload,
+        offload_dir=ulysses.offload_dir or None,
+        offload_params=ulysses.offload_params,
+        head_chunks=ulysses.head_chunks or None,
+    )
+    return dict(
+        memory=memory,
         compile=bool(args.torch_compile) or dynamo_backend not in (None, "no"),
         compile_backend=args.torch_compile_backend or (dynamo_backend if dynamo_backend not in (None, "no")
                                                        else "inductor"),
@@ -205,10 +224,5 @@ def parallelize_options(args, ulysses: UlyssesArguments, *, mixed_precision: str
         reduce_dtype=torch.float32,
         attn_backend=ulysses.attn_backend,
         pack_qkv=ulysses.pack_qkv,
-        tiled_mlp=ulysses.tiled_mlp,
-        mlp_tiles=ulysses.mlp_tiles,
-        offload_activations=offload,
-        offload_params=ulysses.offload_params,
         allow_untested=ulysses.allow_untested,
-        head_chunks=ulysses.head_chunks or None,
     )
