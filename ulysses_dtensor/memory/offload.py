@@ -40,7 +40,19 @@ from ..parallel.head_chunks import after_chunked_backward, chunked_calls
 from ..runtime.regions import in_region
 from .saved_attention import AttentionKeeping, KeptOutputs, take_kept_outputs
 
-__all__ = ["HostOffloader", "OffloadedCheckpointBlock"]
+__all__ = ["HostOffloader", "OffloadedCheckpointBlock", "make_offloader"]
+
+
+def make_offloader(memory) -> "HostOffloader | None":
+    """The offloader a model's :class:`~ulysses_dtensor.memory.options.MemoryOptions` asks for
+    (None: nothing offloaded)."""
+    if not memory.offload_activations:
+        return None
+    if memory.offload_dir is not None:
+        raise NotImplementedError(
+            f"offload_dir={memory.offload_dir!r}: the disk tier is not implemented yet; leave offload_dir unset "
+            f"(host memory only)")
+    return HostOffloader()
 
 
 class HostOffloader:

@@ -50,7 +50,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ..memory.offload import HostOffloader, OffloadedCheckpointBlock
+from ..memory.offload import OffloadedCheckpointBlock, make_offloader
 from ..memory.options import AC_MODES, MemoryOptions, parse_selective_ac
 from ..memory.saved_attention import (
     AttentionKeeping,
@@ -145,7 +145,7 @@ def parallelize_llama(
         model.sp_mesh = pmesh.sp
 
     _set_tiling(model, layers, mem.tiled_mlp, mem.mlp_tiles, mem.tiled_loss, mem.loss_chunks)
-    offloader = HostOffloader() if mem.offload_activations else None
+    offloader = make_offloader(mem)
     model.offloader = offloader
     model.memory_options = mem
     keep = attention_keeping(model, mem.save_attention)

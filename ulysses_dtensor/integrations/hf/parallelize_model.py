@@ -33,7 +33,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ulysses_dtensor.attention import check_backend
-from ulysses_dtensor.memory.offload import HostOffloader, OffloadedCheckpointBlock
+from ulysses_dtensor.memory.offload import OffloadedCheckpointBlock, make_offloader
 from ulysses_dtensor.memory.saved_attention import attention_keeping
 from ulysses_dtensor.memory.options import MemoryOptions
 from ulysses_dtensor.models.llama_parallelize import (
@@ -250,7 +250,7 @@ def parallelize_hf_model(
     # and side streams are not traceable, the layer is.
     fullgraph = bool(getattr(model, "_can_compile_fullgraph", False)) and not recomputes_in_chunks(
         head_chunks, attn_backend, model_patterns(model.config.get_text_config(), attentions))
-    model.offloader = HostOffloader() if mem.offload_activations else None
+    model.offloader = make_offloader(mem)
     model.memory_options = mem
     keep = attention_keeping(model, mem.save_attention)
     rng = needs_rng_replay(model)  # dropout (LoRA's): recomputation replays forward's masks
