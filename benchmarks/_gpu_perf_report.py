@@ -15,7 +15,7 @@ from pathlib import Path
 
 from _gpu_perf_figures import NVLINK_GBPS, SLOW_GBPS, piece_problem, shape_figures, target_rows
 
-PIECES = ("env", "parity", "plan", "shape_llama", "profile_llama", "shape_qwen", "plan_check")
+PIECES = ("env", "parity", "plan", "disk", "shape_llama", "profile_llama", "shape_qwen", "plan_check")
 GIB = 2**30
 
 
@@ -118,10 +118,62 @@ def _shape_lines(name: str, s: dict) -> list[str]:
                      f"{m4['tokens_per_s_per_gpu']:,.0f} | {_pct(f['mfu_compute'])} | {_pct(m4['mfu'])} | "
                      f"{_pct(f['hfu_compute'])} | {f['peak_gib']:.1f}{reserved} |")
     lines.append("")
+    lines += _fp8_speedup_lines(s)
+    lines += _disk_step_lines(s)
     if any(v["figures"] for v in s["variants"].values()):
         lines += ["Every timed step of the variants with figures had a finite loss and gradient norm, on collective "
                   "outputs given defined values (`benchmarks/_simulated_collectives.py`).", ""]
     return lines
+
+
+def _fp8_speedup_lines(s: dict) -> list[str]:
+    """FP8 against bf16 on the same kernel and AC: the ratio of their full-depth compute-only steps,
+    each from its own line through two layer counts (no figure, no ratio)."""
+    variants = s["variants"]
+    base = next((n for n in variants if n.endswith(" / full AC") and n.startswith("auto")), None)
+    out = []
+    for name, v in variants.items():
+        if "FP8" not in name:
+            continue
+        b = variants.get(base) if base else None
+        if not (v["figures"] and b and b["figures"]):
+            out.append(f"FP8: `{name}` against `{base}`: not measured (each needs a figure from two layer counts)")
+            continue
+        ratio = b["figures"]["compute_only"]["step_s"] / v["figures"]["compute_only"]["step_s"]
+        out.append(f"FP8: `{name}` runs a full-depth step {ratio:.2f}x as fast as `{base}` (bf16), compute only")
+    return out + ([""] if out else [])
+
+
+def _disk_step_lines(s: dict) -> list[str]:
+    """The disk tier against host offload, same kernel and shape: the ratio of their full-depth
+    compute-only steps, each from its own line (no figure, no ratio)."""
+    variants = s["variants"]
+    disk = next((n for n in variants if n.endswith("/ disk tier")), None)
+    host = next((n for n in variants if n.endswith("/ host offload")), None)
+    if disk is None or host is None:
+        return []
+    d, h = variants[disk]["figures"], variants[host]["figures"]
+    if not (d and h):
+        return [f"Disk tier: `{disk}` against `{host}`: not measured (each needs a figure from two layer counts)", ""]
+    ratio = d["compute_only"]["step_s"] / h["compute_only"]["step_s"]
+    return [f"Disk tier: a full-depth step of `{disk}` takes {ratio:.2f}x the time of `{host}` (the offloaded layer "
+            f"inputs in a file instead of host memory), compute only; peak {d['peak_gib']:.1f} against "
+            f"{h['peak_gib']:.1f} GiB", ""]
+
+
+def _disk_lines(disk: dict | None, piece: dict | None) -> list[str]:
+    head = "### The disk tier's bandwidth (`python benchmarks/bench_disk_tier.py`, the offloader's own store)"
+    if not disk:
+        return [head, "", f"No result: {piece_problem(piece) or 'disk.json missing'}.", ""]
+    gib = disk["bytes"] / 2**30
+    return [head, "", f"{gib:.2f} GiB in {disk['layers']} layers of {disk['layer_bytes'] / 2**20:.0f} MiB from "
+                      f"{disk['device']} through a {disk['staging_bytes'] / 2**20:.0f} MiB staging area, in "
+                      f"`{disk['directory']}` ({disk['filesystem']}, {disk['free_bytes'] / 2**30:.0f} GiB free):",
+            "",
+            "| write (page cache) | write + fsync (disk) | read (cache dropped) | read back equal |",
+            "|---|---|---|---|",
+            f"| {disk['write_gbps']:.2f} GB/s | {disk['write_sync_gbps']:.2f} GB/s | {disk['read_gbps']:.2f} GB/s | "
+            f"{'yes' if disk['read_back_equal'] else 'NO'} |", ""]
 
 
 def _target_lines(shapes: dict, tiny, env_ok: bool) -> list[str]:
@@ -211,10 +263,11 @@ def report(out: Path) -> int:
     tiny = any(tinies) if tinies else kit.get("tiny", env.get("tiny"))
     profiles = {name: _read_json(out / f"profile_{name}.json") for name in ("llama", "qwen")}
     plan, check = _read_json(out / "plan.json"), _read_json(out / "plan_check.json")
-    parity = _read_json(out / "parity.json")
+    parity, disk = _read_json(out / "parity.json"), _read_json(out / "disk.json")
     summary = {"kit": kit, "env": env, "tiny": tiny, "pieces": list(pieces.values()), "shapes": shapes,
                "targets": target_rows(shapes, tiny=tiny, env_ok=bool(env)), "parity": parity,
-               "profiles": {k: v["table"] for k, v in profiles.items() if v}, "plan": plan, "plan_check": check}
+               "profiles": {k: v["table"] for k, v in profiles.items() if v}, "plan": plan, "plan_check": check,
+               "disk": disk}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
 
     device = env.get("device") or next((r["device"] for recs in records.values() for r in recs if "device" in r),
@@ -249,6 +302,7 @@ def report(out: Path) -> int:
                 L += ["Backward nodes mapped to no forward region (ms): "
                       + ", ".join(f"{k} {v}" for k, v in top.items()), ""]
     L += _section(_plan_lines, plan, check, tiny)
+    L += _section(_disk_lines, disk, pieces.get("disk"))
     block = "\n".join(L)
     (out / "RESULTS_block.md").write_text(block + "\n")
     print(block)

@@ -24,7 +24,10 @@ then one record per layer count measured (or skipped, or failed).
 from __future__ import annotations
 
 import gc
+import importlib.util
+import os
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -60,8 +63,19 @@ class Variant:
 # the same kernel with none. Where the shape's default runs none it would repeat `auto`.
 NO_HEAD_CHUNKS = Variant("auto", argv=("--head-chunks", "1"), label="no head chunks")
 
+# FP8 linear layers (torchao, rowwise: SP needs nothing for it) on the kernel auto picks: its
+# speed-up against the bf16 `auto` variant, after every bf16 variant of that kernel.
+FP8_ROWWISE = Variant("auto", argv=("--float8", "rowwise"), label="FP8 rowwise")
+
+# The disk tier (issue 54) against host offload at the same shape, where both fit: the offloaded
+# layer inputs in host memory, then in a file in the kit's disk directory (bench_argv puts it in
+# place of OFFLOAD_DIR: GPU_PERF_DISK_DIR, which gpu_perf.sh sets).
+OFFLOAD_DIR = "{offload_dir}"
+HOST_OFFLOAD = Variant("auto", argv=("--offload-activations",), label="host offload")
+DISK_TIER = Variant("auto", argv=("--offload-activations", "--offload-dir", OFFLOAD_DIR), label="disk tier")
+
 # Variants after the backends' own, before the compiling ones.
-EXTRA_VARIANTS: tuple[Variant, ...] = (NO_HEAD_CHUNKS,)
+EXTRA_VARIANTS: tuple[Variant, ...] = (NO_HEAD_CHUNKS, FP8_ROWWISE, HOST_OFFLOAD, DISK_TIER)
 
 
 def auto_head_chunks(shape: dict, sp: int = 8) -> int:
@@ -85,6 +99,13 @@ def plan_variants(env: dict, device_type: str, auto_chunks: int | None = None
     variants = [Variant("auto"), Variant("auto", save_attention=True)]
     left_out: dict[str, str] = {}
     extra = list(EXTRA_VARIANTS)
+    if device_type == "cpu":  # the smoke run keeps to auto's two variants (their timing matters nowhere)
+        left_out.update({v.label: "on a GPU only: the CPU smoke run measures auto's two variants" for v in extra})
+        extra = []
+    if FP8_ROWWISE in extra and importlib.util.find_spec("torchao") is None:
+        extra.remove(FP8_ROWWISE)
+        left_out[FP8_ROWWISE.label] = ("torchao is not installed here (the 'float8' extra; offline: carry its wheel, "
+                                       "scripts/kernel_wheels.sh)")
     if auto_chunks == 1 and NO_HEAD_CHUNKS in extra:
         extra.remove(NO_HEAD_CHUNKS)
         left_out[NO_HEAD_CHUNKS.label] = "auto runs no head chunks at this shape (a small working set): it is auto"
@@ -122,7 +143,8 @@ def bench_argv(shape: dict, device, kernel: str, layers: list[int], *, save_atte
                extra: tuple[str, ...] = ()) -> list[str]:
     argv = [*COMMON, "--flavor", shape["flavor"], "--local-seq", shape["local_seq"], "--attn-backend", kernel,
             "--device", device.type, "--warmup", str(shape["warmup"]), "--iters", str(shape["iters"]),
-            "--layers", *map(str, layers), *extra]
+            "--layers", *map(str, layers),
+            *(os.environ.get("GPU_PERF_DISK_DIR") or tempfile.gettempdir() if x == OFFLOAD_DIR else x for x in extra)]
     for o in shape["overrides"]:
         argv += ["--override", o]
     if len(set(layers)) >= 2:

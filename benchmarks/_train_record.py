@@ -163,6 +163,8 @@ def make_record(a, args, dims, device: torch.device, seq: int, raw: dict, *, sim
             "tiled_mlp": a.tiled_mlp, "mlp_tiles": a.mlp_tiles, "tiled_loss": a.tiled_loss,
             "loss_chunks": a.loss_chunks, "offload_activations": a.offload_activations,
             "save_attention": a.save_attention,
+            "float8": getattr(a, "float8", None),
+            "offload_dir": getattr(a, "offload_dir", None),
             "head_chunks": getattr(a, "head_chunks", None) or "auto",
             "offload_params": a.offload_params,
             "optimizer": "AdamW", "max_norm": a.max_norm, "warmup": a.warmup, "iters": a.iters,

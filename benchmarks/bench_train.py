@@ -72,6 +72,7 @@ from _train_record import DTYPES, extrapolate, make_record, model_args  # noqa: 
 from ulysses_dtensor.models.llama import Llama, llama_args  # noqa: E402
 from ulysses_dtensor.models.llama_parallelize import parallelize_llama  # noqa: E402
 from ulysses_dtensor.parallel.batch import shard_batch  # noqa: E402
+from ulysses_dtensor.precision.float8 import RECIPES, Float8Options  # noqa: E402
 from ulysses_dtensor.parallel.comm_stats import CollectiveCounter  # noqa: E402
 from ulysses_dtensor.parallel.comm_timing import ExchangeTimer  # noqa: E402
 from ulysses_dtensor.parallel.loss import count_valid_tokens  # noqa: E402
@@ -155,6 +156,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiled-loss", action="store_true")
     p.add_argument("--loss-chunks", type=int)
     p.add_argument("--offload-activations", action="store_true", help="needs --ac full")
+    p.add_argument("--offload-dir", metavar="DIR", help="with --offload-activations: the disk tier, the offloaded "
+                   "layer inputs in a file in DIR through a pinned staging area (parallelize_llama(offload_dir=))")
     p.add_argument("--save-attention", action="store_true",
                    help="with --ac full: keep the attention kernel's output and log-sum-exp instead of "
                         "recomputing them (parallelize_llama(save_attention=True))")
@@ -163,6 +166,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "count from the shapes, parallelize_llama(head_chunks=None))")
     p.add_argument("--offload-params", action="store_true",
                    help="parameter shards, gradients and AdamW state in host memory (FSDP2 CPU offload)")
+    p.add_argument("--float8", choices=RECIPES, help="FP8 linear layers with this torchao recipe (the 'float8' "
+                   "extra; an FP8 GPU, or --float8-emulate)")
+    p.add_argument("--float8-emulate", action="store_true", help="with --float8: emulate the FP8 matmuls (CPU "
+                   "smoke runs)")
     p.add_argument("--attn-backend", help="LlamaArgs.attn_backend (default: auto = sdpa on CPU, "
                    "flash_attn or varlen on CUDA in 16-bit)")
     p.add_argument("--max-norm", type=float, default=1.0)
@@ -211,6 +218,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--iters must be >= 1")
     if a.offload_activations and a.ac != "full":
         p.error("--offload-activations needs --ac full")
+    if a.offload_dir and not a.offload_activations:
+        p.error("--offload-dir needs --offload-activations")
     if a.save_attention and a.ac != "full":
         p.error("--save-attention needs --ac full")
     if a.mode == "simulate" and a.world is None and len(a.sp) > 1:
@@ -241,9 +250,11 @@ def build(a, args, pmesh, device: torch.device):
         tiled_mlp=a.tiled_mlp, mlp_tiles=a.mlp_tiles,
         tiled_loss=a.tiled_loss, loss_chunks=a.loss_chunks,
         offload_activations=a.offload_activations,
+        offload_dir=a.offload_dir or None,
         offload_params=a.offload_params,
         save_attention=a.save_attention,
         head_chunks=a.head_chunks,
+        float8=Float8Options(enable=True, recipe_name=a.float8, emulate=a.float8_emulate) if a.float8 else None,
     )
     model.to_empty(device="cpu" if a.offload_params else device)
     model.init_weights(seed=a.seed)

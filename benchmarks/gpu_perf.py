@@ -368,12 +368,42 @@ def piece_plan_check(args) -> int:
     return 1 if oom else 0
 
 
+# The disk piece: how much it writes and reads (bounded by a quarter of the free space).
+DISK_GIB, TINY_DISK_MIB, DISK_LAYER_MIB, TINY_DISK_LAYER_MIB = 8, 32, 512, 4
+
+
+def disk_dir(out: Path) -> str:
+    """The directory the disk tier is measured in: GPU_PERF_DISK_DIR (gpu_perf.sh sets it beside
+    OUT, on OUT's disk), else OUT/disk_probe."""
+    return os.environ.get("GPU_PERF_DISK_DIR") or str(out / "disk_probe")
+
+
+def piece_disk(args) -> int:
+    """The disk tier's write and read bandwidth through the offloader's own store (issue 54);
+    the step with and without it is a pair of variants of the shape pieces."""
+    import torch
+
+    import bench_disk_tier as D
+    from ulysses_dtensor.memory.offload_dir import free_bytes
+
+    tiny = tiny_mode(args)
+    directory = disk_dir(args.out)
+    os.makedirs(directory, exist_ok=True)
+    total = TINY_DISK_MIB << 20 if tiny else min(DISK_GIB << 30, free_bytes(directory) // 4)
+    layer = (TINY_DISK_LAYER_MIB if tiny else DISK_LAYER_MIB) << 20
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    result = {**D.measure(directory, total, layer, device), "tiny": tiny}
+    dump(args.out / "disk.json", result)
+    print(json.dumps(result))
+    return 0 if result["read_back_equal"] else 1
+
+
 # --------------------------------------------------------------------------- #
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("piece", choices=["env", "parity", "shape", "profile", "plan", "plan_check", "report"])
+    p.add_argument("piece", choices=["env", "parity", "shape", "profile", "plan", "plan_check", "disk", "report"])
     p.add_argument("--out", type=Path, required=True, help="the kit's output folder")
     p.add_argument("--shape", choices=list(SHAPES), default="llama")
     p.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (the default without CUDA)")
@@ -404,7 +434,7 @@ def main(argv=None) -> int:
 
         return piece_parity(args)
     return {"env": piece_env, "profile": piece_profile, "plan": piece_plan,
-            "plan_check": piece_plan_check}[args.piece](args)
+            "plan_check": piece_plan_check, "disk": piece_disk}[args.piece](args)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ then the CUDA context, NCCL buffers and caching-allocator fragmentation.
                                                           # USP: Ulysses inside 8-GPU nodes, ring across them
     python benchmarks/max_seq_len.py --sweep qwen3_8b 1 --lengths 65536 --features all --lora 16
                                                           # LoRA adapters of rank 16 (transformers configs)
+    python benchmarks/max_seq_len.py --models llama3_8b --gpus 8 --features all+offload_params --disk-gib 3500
+                                                          # the disk tier: offloaded layer inputs on a local disk
 
 One JSON object per (model, GPUs, features) on stdout; a markdown table on
 stderr at the end (and in --table FILE); a PNG of planned peak vs sequence
@@ -26,8 +28,10 @@ The search is :func:`ulysses_dtensor.estimate.find_max_seq_len`'s: every point a
 step traced with each loop over the sequence at its edge pieces, extrapolated in
 the block count, the limit solved for from the points (two to four per row), the
 answer within --precision (default 0.5 %) of the limit; a second ceiling for host
-memory (--host-budget-gib per GPU, default 240; 0: none), and the record names
-the one that binds.
+memory (--host-budget-gib per GPU, default 240; 0: none), a third with the disk tier
+(--disk-gib per GPU: the rows that offload layer inputs plan them on a local disk,
+memory.offload_dir, the host then holding a staging area and the parameter state), and
+the record names the one that binds.
 
 Layout: sp = the largest divisor of the GPU count that the heads allow
 (heads % sp == 0, and kv heads split or replicated: kv % sp == 0 or
@@ -42,8 +46,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -55,6 +59,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from ulysses_dtensor.estimate import GIB, find_max_seq_len, plan_memory  # noqa: E402
+from ulysses_dtensor.estimate.disk import DISK_GBPS  # noqa: E402
 from ulysses_dtensor.estimate.search import HOST_BUDGET_GIB, PRECISION  # noqa: E402
 from ulysses_dtensor.models.llama import FLAVORS  # noqa: E402
 from ulysses_dtensor.trainer.config import load_config  # noqa: E402
@@ -115,16 +120,22 @@ def layout(flavor: str, gpus: int, ulysses: int = 0, tp: int = 1) -> tuple[int, 
     return best, gpus // best, 1
 
 
-def label(features: str, lora: int = 0) -> str:
-    """The feature set's name in records and tables (``all+lora16`` with LoRA adapters)."""
-    return f"{features}+lora{lora}" if lora else features
+def label(features: str, lora: int = 0, float8: str = "") -> str:
+    """The feature set's name in records and tables (``all+lora16`` with LoRA adapters,
+    ``all+fp8_rowwise`` with FP8 linear layers)."""
+    return features + (f"+lora{lora}" if lora else "") + (f"+fp8_{float8}" if float8 else "")
+
+
+# memory.offload_dir of the disk-tier rows: a path only (the planner never touches it).
+OFFLOAD_DIR = "/local/nvme/offload"
 
 
 def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulysses: int = 0, mlp_tiles: int = 0,
-                tp: int = 1, lora: int = 0, head_chunks: int = 0):
+                tp: int = 1, lora: int = 0, head_chunks: int = 0, disk: bool = False,
+                implementation: str = "transformers", float8: str = ""):
     sp, dp_shard, ring = layout(flavor, gpus, ulysses, tp)
     if flavor in HF_MODELS:
-        model = ["--model.hf_path", str(HF_CONFIGS / flavor), "--model.implementation", "transformers"]
+        model = ["--model.hf_path", str(HF_CONFIGS / flavor), "--model.implementation", implementation]
     else:
         model = ["--model.flavor", flavor] + ([] if quick else ["--model.vocab_size", str(VOCAB)])
     argv = [
@@ -150,8 +161,13 @@ def make_config(flavor: str, gpus: int, features: str, quick: bool = False, ulys
         argv += ["--memory.head_chunks", str(head_chunks)]
     for key, value in feats.items():
         argv += [f"--memory.{key}", "true" if value is True else str(value)]
+    if disk and feats.get("offload_activations"):
+        argv += ["--memory.offload_dir", OFFLOAD_DIR]
     if lora:  # adapters on every projection, the base frozen in bf16 (needs an HF config: model.hf_path)
         argv += ["--lora.rank", str(lora), "--lora.alpha", str(2 * lora)]
+    if float8:  # torchao FP8 linear layers as on an H100 (not emulated); FP8 all-gathers with tensorwise
+        argv += ["--float8.enable", "true", "--float8.recipe_name", float8]
+        argv += ["--float8.enable_fsdp_float8_all_gather", "true"] if float8 == "tensorwise" else []
     return load_config(argv), sp, dp_shard, ring
 
 
@@ -173,9 +189,10 @@ def stamp() -> dict:
 
 
 def run_one(flavor, gpus, features, ns, log) -> dict:
+    disk = bool(ns.disk_gib)
     cfg, sp, dp_shard, ring = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp,
-                                          ns.lora, ns.head_chunks)
-    features = label(features, ns.lora)
+                                          ns.lora, ns.head_chunks, disk, ns.implementation, ns.float8)
+    features = label(features, ns.lora, ns.float8)
     usp = f" = ring {ring} x ulysses {sp // ring}" if ring > 1 else ""
     tp = f" x tp {ns.tp}" if ns.tp > 1 else ""
     log(f"{flavor} on {gpus} GPU(s) (sp {sp}{usp} x dp_shard {dp_shard}{tp}), {features}:")
@@ -186,7 +203,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
         granularity=ns.granularity, rows=1, device="cuda", layers=ns.layers, loops=ns.loops,
         guess=tuple(ns.guess) if ns.guess else None,
         confirm=ns.confirm is not None and (not ns.confirm or features in ns.confirm),
-        log=log,
+        log=log, disk_budget_gib=ns.disk_gib or None, disk_gbps=ns.disk_gbps,
     )
     cpu = time.process_time() - cpu
     best, nxt = res.best, res.next_up
@@ -201,11 +218,14 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
         "ulysses": sp // ring,
         "tp": ns.tp,
         "features": features,
+        "implementation": ns.implementation if flavor in HF_MODELS else None,
         "mlp_tiles": ns.mlp_tiles or "auto",
         "head_chunks": ns.head_chunks or "auto",
         "budget_gib": ns.budget_gib,
         "headroom_gib": ns.headroom_gib,
         "host_budget_gib": res.host_budget_gib,
+        "disk_tier": res.disk_tier,
+        "disk_budget_gib": res.disk_budget_gib,
         "planned_max_seq_len": res.max_seq_len,
         "precision": round(res.precision, 5),
         "limit_below": res.limit_below,
@@ -219,6 +239,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
         "alst": ALST.get(flavor, {}).get(gpus),
         "tried": res.plans,
         "tried_host_bytes": res.host_bytes,
+        "tried_disk_bytes": res.disk_bytes,
     }
     for name, plan in (("best", best), ("next_up", nxt)):
         if plan is not None:
@@ -228,6 +249,9 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
                 "peak_gib": round(plan.peak_gib, 3),
                 "phase": plan.peak_phase,
                 "host_gib": round(plan.host_bytes / GIB, 2),
+                "disk_gib": round(plan.disk_bytes / GIB, 2),
+                "staging_gib": round(plan.staging_bytes / GIB, 2),
+                "step_time_modelled": plan.step_time,
                 "extrapolated": plan.trace["extrapolated"],
                 "breakdown_gib": {k: round(v / GIB, 3) for k, v in plan.breakdown.items()},
                 "kinds_gib": {k: round(v / GIB, 3) for k, v in plan.kinds.items()},
@@ -240,7 +264,7 @@ def run_one(flavor, gpus, features, ns, log) -> dict:
 def verify(flavor, gpus, features, seq_len, ns, log) -> dict:
     """Extrapolated (4/5/6-layer traces) vs full trace at one length."""
     cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp, ns.lora,
-                                       ns.head_chunks)
+                                       ns.head_chunks, bool(ns.disk_gib), ns.implementation, ns.float8)
     unit = (ns.granularity or 1024) * sp
     seq_len = max(unit, seq_len // unit * unit)
     full = plan_memory(cfg, gpus, seq_len, rows=1, layers="full", loops=ns.loops)
@@ -263,8 +287,8 @@ def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
     """Planned peak at fixed lengths (for the memory-vs-length plot)."""
     out = []
     cfg, sp, dp_shard, _ = make_config(flavor, gpus, features, ns.quick, ns.ulysses, ns.mlp_tiles, ns.tp, ns.lora,
-                                       ns.head_chunks)
-    features = label(features, ns.lora)
+                                       ns.head_chunks, bool(ns.disk_gib), ns.implementation, ns.float8)
+    features = label(features, ns.lora, ns.float8)
     for seq_len in lengths:
         unit = (ns.granularity or 1024) * sp
         seq_len = max(unit, seq_len // unit * unit)
@@ -282,17 +306,27 @@ def sweep(flavor, gpus, features, lengths, ns, log) -> list[dict]:
     return out
 
 
+def _variant(features: str) -> tuple[int, str]:
+    """(LoRA rank, FP8 recipe) of a :func:`label`."""
+    lora, fp8 = re.search(r"\+lora(\d+)", features), re.search(r"\+fp8_(\w+)", features)
+    return int(lora[1]) if lora else 0, fp8[1] if fp8 else ""
+
+
 def table(records: list[dict], ns) -> str:
     rows = [r for r in records if r["bench"] == "max_seq_len"]
     order = list(FLAVORS) + HF_MODELS
     models = sorted({r["model"] for r in rows}, key=lambda m: order.index(m) if m in order else len(order))
-    ranks = sorted({int(r["features"].rpartition("+lora")[2]) if "+lora" in r["features"] else 0 for r in rows})
-    feats = [label(f, n) for n in ranks for f in FEATURES if any(r["features"] == label(f, n) for r in rows)]
+    # Columns: by LoRA rank, then FP8 recipe, then the feature sets' order.
+    variants = sorted({_variant(r["features"]) for r in rows})
+    feats = [label(f, n, fp8) for n, fp8 in variants for f in FEATURES
+             if any(r["features"] == label(f, n, fp8) for r in rows)]
     out = [
         f"PLANNED max trainable sequence (tokens; one sequence per dp rank; peak allocated-tensor "
         f"bytes <= {ns.budget_gib:g} - {ns.headroom_gib:g} = {ns.budget_gib - ns.headroom_gib:g} GiB per GPU"
         + (f"; host memory <= {ns.host_budget_gib:g} GiB per GPU, (host): that ceiling binds"
-           if ns.host_budget_gib else "") + ")",
+           if ns.host_budget_gib else "")
+        + (f"; offloaded layer inputs on a disk of {ns.disk_gib:g} GiB per GPU, (disk): that ceiling binds"
+           if getattr(ns, "disk_gib", 0) else "") + ")",
         "",
         "| model | GPUs | sp x dp_shard | " + " | ".join(feats) + " | ALST (published) |",
         "| --- | --- | --- | " + " | ".join("---" for _ in feats) + " | --- |",
@@ -316,8 +350,9 @@ def table(records: list[dict], ns) -> str:
 
 
 def _cell(rec: dict) -> str:
-    """A table cell: the planned length, marked when host memory is the ceiling that binds."""
-    return fmt_tokens(rec["planned_max_seq_len"]) + (" (host)" if rec.get("binding") == "host" else "")
+    """A table cell: the planned length, marked when host memory or the disk is the ceiling that binds."""
+    return fmt_tokens(rec["planned_max_seq_len"]) + (f" ({rec['binding']})" if rec.get("binding") in ("host", "disk")
+                                                     else "")
 
 
 def plot(records: list[dict], path: str, ns, log) -> None:
@@ -390,6 +425,12 @@ def main(argv=None) -> int:
     p.add_argument("--host-budget-gib", type=float, default=HOST_BUDGET_GIB,
                    help=f"host memory per GPU (offloaded activations, parameter state), GiB (default "
                         f"{HOST_BUDGET_GIB:g}: an 8-GPU node with 2 TiB; 0: no host ceiling)")
+    p.add_argument("--disk-gib", type=float, default=0.0,
+                   help="the disk tier: rows that offload layer inputs plan them on a local disk "
+                        f"(memory.offload_dir = {OFFLOAD_DIR}, not touched) with this many GiB per GPU "
+                        "(default 0: host memory only)")
+    p.add_argument("--disk-gbps", type=float, default=DISK_GBPS,
+                   help=f"with --disk-gib: the disk's GB/s per GPU for the MODELLED step time (default {DISK_GBPS:g})")
     p.add_argument("--precision", type=float, default=100 * PRECISION,
                    help=f"percent: the limit lies within this above the answer (default {100 * PRECISION:g})")
     p.add_argument("--granularity", type=int, default=None,
@@ -405,6 +446,12 @@ def main(argv=None) -> int:
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="LoRA adapters of this rank on every projection (lora.alpha = 2 x rank), the base "
                         "frozen: transformers configs only (0: full fine-tuning)")
+    p.add_argument("--float8", choices=("rowwise", "rowwise_with_gw_hp", "tensorwise"), default="",
+                   help="FP8 linear layers of this torchao recipe ([float8], traced eagerly with the casts' "
+                        "temporaries; tensorwise with FP8 all-gathers); needs the float8 extra")
+    p.add_argument("--implementation", choices=("transformers", "auto"), default="transformers",
+                   help="transformers configs: transformers' model class (default), or auto: this package's Llama "
+                        "where it loads the checkpoint (Llama 3.x, Mistral, Qwen2/2.5/3), as the trainer's configs do")
     p.add_argument("--layers", choices=("auto", "full", "extrapolate"), default="auto")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel degree: N GPUs of each node split every block's weights; sp from the rest")

@@ -17,6 +17,9 @@
 #   profile_llama  one step of it cut into the library's regions (torch.profiler)
 #   shape_qwen     Qwen3-8B-shaped, 128K tokens per GPU (1M on 8), likewise
 #   plan_check     one real step at the planned maximum: planned vs measured peak, reserved vs allocated
+#   disk           (before the shapes) the disk tier's write / fsync / read bandwidth through the
+#                  offloader's own store, in OUT_DIR/pieces/disk_probe (GPU_PERF_DISK_DIR: elsewhere);
+#                  the step with and without it: the shapes' host offload / disk tier variants
 #   report         figures at full depth (none from one layer count), targets, the checks, the
 #                  breakdown, OUT_DIR/RESULTS_block.md
 # Everything ends up in OUT_DIR/gpu_perf.tar.gz (a lease brings back at most 8 files), beside
@@ -30,7 +33,7 @@
 # A fla-core wheel carried in .whl/ (scripts/kernel_wheels.sh) is installed first. GPU_PERF_KEEP=1
 # keeps the unpacked OUT_DIR/pieces. PYTHON picks the interpreter.
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,31p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,34p "$0"; exit 2; }
 top="$(mkdir -p "$1" && cd "$1" && pwd)"
 out="$top/pieces"  # the pieces' files; packed and removed at the end (GPU_PERF_KEEP=1 keeps them)
 rm -rf "$out" "$top/gpu_perf.tar.gz" && mkdir -p "$out"
@@ -42,8 +45,8 @@ budget="${GPU_PERF_BUDGET_S:-420}"
 reserve=60  # seconds of the budget no piece may use: the report and the packing
 start=$SECONDS
 # On the GPU the pieces run one after another (parity beside env, plan in the background):
-# max(env, parity) + shape_llama + profile_llama + shape_qwen + plan_check <= budget - reserve.
-declare -A limit=([env]=30 [parity]=60 [plan]=200 [shape_llama]=100 [profile_llama]=35 [shape_qwen]=135
+# max(env, parity) + disk + shape_llama + profile_llama + shape_qwen + plan_check <= budget - reserve.
+declare -A limit=([env]=30 [parity]=60 [plan]=200 [disk]=20 [shape_llama]=100 [profile_llama]=35 [shape_qwen]=115
                   [plan_check]=30)
 # Long context needs the caching allocator's expandable segments (fragmentation turns a planned fit
 # into an out-of-memory); the user's own setting wins. The pieces inherit it; env.json records it.
@@ -64,7 +67,7 @@ for kv in ${GPU_PERF_LIMITS:-}; do limit[${kv%%=*}]=${kv#*=}; done
 json_str() { local v=${1//\\/\\\\}; printf '"%s"' "${v//\"/\\\"}"; }
 {
     printf '{"budget_s": %s, "reserve_s": %s, "tiny": %s, "limits": {' "$budget" "$reserve" "$([ "$tiny" = 1 ] && echo true || echo false)"
-    sep=""; for k in env parity plan shape_llama profile_llama shape_qwen plan_check; do
+    sep=""; for k in env parity plan disk shape_llama profile_llama shape_qwen plan_check; do
         printf '%s"%s": %s' "$sep" "$k" "${limit[$k]}"; sep=", "; done
     printf '}, "PYTORCH_CUDA_ALLOC_CONF": %s, "alloc_conf_set_by": %s}\n' \
         "$(json_str "$PYTORCH_CUDA_ALLOC_CONF")" "$(json_str "$GPU_PERF_ALLOC_CONF_BY")"
@@ -109,16 +112,18 @@ budget_gib=$("$py" -c "import json,sys; print(json.load(open(sys.argv[1])).get('
 # context beside them); the GPU it plans for comes from env.json.
 ( export CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4; run plan "${limit[plan]}" "${kit[@]}" plan --out "$out" --budget-gib "$budget_gib" ) &
 plan_pid=$!
+export GPU_PERF_DISK_DIR="${GPU_PERF_DISK_DIR:-$out/disk_probe}"
+disk() { run disk "${limit[disk]}" "${kit[@]}" disk --out "$out"; }
 shape_llama() { run shape_llama "${limit[shape_llama]}" "${kit[@]}" shape --shape llama --out "$out"; }
 profile_llama() { run profile_llama "${limit[profile_llama]}" "${kit[@]}" profile --shape llama --out "$out"; }
 shape_qwen() { run shape_qwen "${limit[shape_qwen]}" "${kit[@]}" shape --shape qwen --out "$out"; }
 if [ "$tiny" = 1 ]; then  # the CPU smoke run times nothing that matters: side by side
     pids=()
-    for piece in shape_llama profile_llama shape_qwen; do $piece & pids+=($!); done
+    for piece in disk shape_llama profile_llama shape_qwen; do $piece & pids+=($!); done
     wait "${pids[@]}" "$parity_pid"
 else                      # on the GPU one at a time, so that no piece's timing disturbs another's
     wait "$parity_pid"
-    shape_llama; profile_llama; shape_qwen
+    disk; shape_llama; profile_llama; shape_qwen
 fi
 wait "$plan_pid" 2>/dev/null  # the planner's limit bounds this wait
 run plan_check "${limit[plan_check]}" "${kit[@]}" plan_check --out "$out"

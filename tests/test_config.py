@@ -257,6 +257,11 @@ EFFECT_CASES = {
     "memory.mlp_tiles": ("4", ["--memory.tiled_mlp", "true"]),
     "memory.loss_chunks": ("4", ["--memory.tiled_loss", "true"]),
     "memory.offload_dir": ("/tmp", ["--memory.offload_activations", "true", "--activation_checkpoint.mode", "full"]),
+    "float8.recipe_name": ("tensorwise", ["--float8.enable", "true", "--float8.emulate", "true"]),
+    "float8.filter_fqns": ("output", ["--float8.enable", "true", "--float8.emulate", "true"]),
+    "float8.emulate": ("true", ["--float8.enable", "true"]),
+    "float8.enable_fsdp_float8_all_gather": ("true", ["--float8.enable", "true", "--float8.emulate", "true",
+                                                      "--float8.recipe_name", "tensorwise"]),
     "checkpoint.folder": ("ckpts", ["--checkpoint.enable", "true"]),
     "checkpoint.interval": ("7", ["--checkpoint.enable", "true"]),
     "checkpoint.keep_latest_k": ("2", ["--checkpoint.enable", "true"]),
@@ -421,3 +426,22 @@ def test_explicit_sizes_still_refuse_a_world_they_do_not_fit(tmp_path):
     one_error(parse_config, {"parallelism": {"sp": "all"}},
               match=r"config key parallelism.sp must be an integer or 'auto', got 'all'")
     one_error(load_config, ["--parallelism.sp", "0"], match=r"parallelism.sp=0 must be >= 1")
+
+
+def test_float8_section_checks_before_any_work():
+    """[float8]: its options become the library's Float8Options; what cannot run is refused by name."""
+    from ulysses_dtensor.trainer.float8_config import float8_options
+
+    assert float8_options(parse_config({})) is None
+    on = parse_config({"float8": {"enable": True, "emulate": True, "recipe_name": "tensorwise",
+                                  "enable_fsdp_float8_all_gather": True}})
+    opts = float8_options(on)
+    assert (opts.recipe_name, opts.emulate, opts.enable_fsdp_float8_all_gather) == ("tensorwise", True, True)
+    assert opts.filter_fqns == ("output", "lm_head", "gate", "router")
+    one_error(parse_config, {"float8": {"enable": True, "recipe_name": "blockwise"}},
+              match=r"float8.recipe_name='blockwise' is not valid.*; valid: rowwise, rowwise_with_gw_hp, tensorwise")
+    bad = parse_config({"float8": {"enable": True, "enable_fsdp_float8_all_gather": True}})
+    one_error(validate_config, bad, 1, match=r"float8.enable_fsdp_float8_all_gather=true needs recipe_name="
+                                             r"'tensorwise'")
+    tp = parse_config({"float8": {"enable": True, "emulate": True}, "parallelism": {"tp": 2}})
+    one_error(validate_config, tp, 2, match=r"float8.enable=true with parallelism.tp=2: .*float8.enable=false")

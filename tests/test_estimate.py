@@ -51,6 +51,10 @@ ACCURACY_CASES = {
     # per rank, a kv head's k/v exchanged once for its two chunks).
     "w2_sp2_head_chunks": (2, ["--parallelism.sp", "2", "--activation_checkpoint.mode", "full",
                                "--memory.head_chunks", "4"], 2048),
+    # FP8 linear layers (torchao, emulated on CPU: the step's casts, scales and FP8 copies are traced
+    # as they run; tests/test_estimate_float8.py plans the GPU's own FP8 matmuls).
+    "w2_sp2_float8": (2, ["--parallelism.sp", "2", "--activation_checkpoint.mode", "full",
+                          "--float8.enable", "true", "--float8.emulate", "true"], 2048),
     "w2_dp2_bf16": (2, ["--parallelism.sp", "1", "--parallelism.dp_shard", "2",
                         "--training.global_batch_size", "2",
                         "--training.mixed_precision_param", "bfloat16"], 1024),

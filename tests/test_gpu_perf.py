@@ -41,7 +41,7 @@ import pytest
 from script_module import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-PIECES = ("env", "parity", "plan", "shape_llama", "profile_llama", "shape_qwen", "plan_check")
+PIECES = ("env", "parity", "plan", "disk", "shape_llama", "profile_llama", "shape_qwen", "plan_check")
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +173,15 @@ def test_planner_check_is_close(kit):
     assert check["ratio"] == pytest.approx(1.0, abs=0.05), check
 
 
+def test_the_disk_tier_is_written_read_back_and_timed(kit):
+    disk = json.loads((kit / "disk.json").read_text())
+    # 32 MiB in 4 MiB layers through the offloader's own store, in the kit's folder; its file is gone.
+    assert disk["tiny"] is True and disk["bytes"] == 32 << 20 and disk["layers"] == 8 and disk["read_back_equal"]
+    assert disk["directory"].endswith("pieces/disk_probe") and not os.listdir(kit / "disk_probe")  # no file left
+    assert _finite(disk["write_gbps"], disk["write_sync_gbps"], disk["read_gbps"])
+    assert disk["write_s"] <= disk["write_sync_s"] and disk["staging_bytes"] > 0
+
+
 def test_the_results_block_has_every_section(kit):
     block = (kit / "RESULTS_block.md").read_text()
     for needle in ("TINY CPU SMOKE RUN", "torch ", "`auto` -> `sdpa`", "### tiny Llama", "### tiny Qwen3-shaped",
@@ -180,6 +189,7 @@ def test_the_results_block_has_every_section(kit):
                    "### Targets", "n/a (tiny CPU run)", "### 1-GPU check", "failed, as it must",
                    "### Where a step goes", "| **step** |", "### Planner check", "Reserved vs allocated",
                    "Allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set by the kit)", "400 GB/s",
+                   "### The disk tier's bandwidth", "| write (page cache) |",
                    "300 GB/s"):
         assert needle in block, needle
     assert "MET" not in block and "error" not in block

@@ -179,17 +179,28 @@ HOPPER_ENV = {
 }
 
 
-def test_variants_follow_auto_then_varlen_then_flex_and_skip_a_kernel_measured_already():
+def test_variants_follow_auto_then_varlen_then_flex_and_skip_a_kernel_measured_already(monkeypatch):
     variants, left_out = plan_variants(HOPPER_ENV, "cuda")
-    assert [v.name("cudnn") for v in variants] == [AUTO, SAVED, VARLEN, f"{AUTO} / no head chunks", "flex / full AC"]
+    assert [v.name("cudnn") for v in variants] == [AUTO, SAVED, VARLEN, f"{AUTO} / no head chunks",
+                                                   f"{AUTO} / FP8 rowwise", f"{AUTO} / host offload",
+                                                   f"{AUTO} / disk tier", "flex / full AC"]
     assert left_out["sdpa"] == ("dispatches to the same kernel as auto (cudnn) "
                                 "(aten::_scaled_dot_product_cudnn_attention): not measured twice")
     assert left_out["cudnn"].startswith("what `auto` runs here")
     assert left_out["flash_attn"] == "does not run here: ImportError: needs the flash-attn package"
     # Without the env piece's trials: auto's variants only (with and without head chunks), and the reason.
     variants, left_out = plan_variants({}, "cuda")
-    assert [v.name() for v in variants] == ["auto / full AC", "auto / save_attention", "auto / full AC / no head chunks"]
+    assert [v.name() for v in variants] == ["auto / full AC", "auto / save_attention", "auto / full AC / no head chunks",
+                                            "auto / full AC / FP8 rowwise", "auto / full AC / host offload",
+                                            "auto / full AC / disk tier"]
     assert "which kernels run here is unknown" in left_out["other kernels"]
+    # No torchao on the machine: the FP8 variant is left out with the reason, not failed.
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    variants, left_out = plan_variants({}, "cuda")
+    assert "FP8 rowwise" not in [v.label for v in variants] and "torchao is not installed" in left_out["FP8 rowwise"]
 
 
 def test_an_extra_variant_goes_before_the_compiling_kernels(monkeypatch):
@@ -208,11 +219,14 @@ def test_the_kit_prices_head_chunks_where_auto_runs_them():
     from _gpu_perf_common import SHAPES, TINY_SHAPES
     from _gpu_perf_shape import EXTRA_VARIANTS, auto_head_chunks
 
-    assert [(v.kernel, v.argv) for v in EXTRA_VARIANTS] == [("auto", ("--head-chunks", "1"))]
+    assert [(v.kernel, v.argv) for v in EXTRA_VARIANTS] == [
+        ("auto", ("--head-chunks", "1")), ("auto", ("--float8", "rowwise")), ("auto", ("--offload-activations",)),
+        ("auto", ("--offload-activations", "--offload-dir", "{offload_dir}"))]
     assert {name: auto_head_chunks(shape) for name, shape in SHAPES.items()} == {"llama": 4, "qwen": 4}
     assert {name: auto_head_chunks(shape) for name, shape in TINY_SHAPES.items()} == {"llama": 1, "qwen": 1}
     variants, left_out = plan_variants(HOPPER_ENV, "cuda", auto_chunks=1)
-    assert [v.name("cudnn") for v in variants] == [AUTO, SAVED, VARLEN, "flex / full AC"]
+    assert [v.name("cudnn") for v in variants] == [AUTO, SAVED, VARLEN, f"{AUTO} / FP8 rowwise",
+                                                   f"{AUTO} / host offload", f"{AUTO} / disk tier", "flex / full AC"]
     assert left_out["no head chunks"].startswith("auto runs no head chunks at this shape")
 
 
@@ -231,3 +245,48 @@ def test_malformed_records_do_not_stop_the_report(tmp_path):
     assert summary["shapes"]["qwen"]["no_result"].startswith("its records could not be read (KeyError")
     assert [r["verdict"][:41] for r in rows] == ["not measured: its records could not be re"]
     assert "### Targets" in block and "MET" not in block
+
+
+def test_the_fp8_variant_reports_its_speedup_against_bf16_only_from_figures():
+    from _gpu_perf_report import _fp8_speedup_lines
+
+    def fig(step_s):
+        return {"figures": {"compute_only": {"step_s": step_s}}, "error": None, "not_measured": None}
+
+    shape = {"variants": {f"{AUTO}": fig(30.0), f"{AUTO} / FP8 rowwise": fig(20.0)}}
+    assert _fp8_speedup_lines(shape) == [
+        f"FP8: `{AUTO} / FP8 rowwise` runs a full-depth step 1.50x as fast as `{AUTO}` (bf16), compute only", ""]
+    shape["variants"][f"{AUTO} / FP8 rowwise"] = {"figures": None, "error": None, "not_measured": "one layer count"}
+    assert "not measured (each needs a figure from two layer counts)" in _fp8_speedup_lines(shape)[0]
+    assert _fp8_speedup_lines({"variants": {AUTO: fig(30.0)}}) == []
+
+
+def test_the_disk_tier_variant_runs_in_the_kits_disk_directory_and_is_priced_against_host_offload(monkeypatch):
+    from _gpu_perf_report import _disk_lines, _disk_step_lines
+    from _gpu_perf_shape import DISK_TIER, bench_argv
+
+    monkeypatch.setenv("GPU_PERF_DISK_DIR", "/local/nvme/kit")
+    shape = {"flavor": "debug", "local_seq": "64", "warmup": 1, "iters": 1, "overrides": [], "layers": 2}
+    import torch
+
+    argv = bench_argv(shape, torch.device("cuda"), "auto", [1, 2], save_attention=False, extra=DISK_TIER.argv)
+    assert argv[argv.index("--offload-dir") + 1] == "/local/nvme/kit" and "--offload-activations" in argv
+
+    def fig(step_s, peak):
+        return {"figures": {"compute_only": {"step_s": step_s}, "peak_gib": peak}, "error": None, "not_measured": None}
+
+    host, disk = f"{AUTO} / host offload", f"{AUTO} / disk tier"
+    shape = {"variants": {AUTO: fig(10.0, 40.0), host: fig(20.0, 30.0), disk: fig(21.0, 30.5)}}
+    assert _disk_step_lines(shape)[0] == (f"Disk tier: a full-depth step of `{disk}` takes 1.05x the time of `{host}` "
+                                          "(the offloaded layer inputs in a file instead of host memory), compute "
+                                          "only; peak 30.5 against 30.0 GiB")
+    shape["variants"][disk] = {"figures": None, "error": None, "not_measured": "no time left"}
+    assert "not measured (each needs a figure from two layer counts)" in _disk_step_lines(shape)[0]
+    assert _disk_step_lines({"variants": {AUTO: fig(1.0, 1.0)}}) == []
+    rec = {"bytes": 8 << 30, "layers": 16, "layer_bytes": 512 << 20, "device": "NVIDIA H100", "staging_bytes": 1 << 30,
+           "directory": "/local/nvme/kit", "filesystem": "xfs", "free_bytes": 3 << 40, "write_gbps": 9.5,
+           "write_sync_gbps": 2.9, "read_gbps": 3.1, "read_back_equal": True}
+    lines = _disk_lines(rec, {"piece": "disk", "rc": 0})
+    assert "8.00 GiB in 16 layers of 512 MiB from NVIDIA H100 through a 1024 MiB staging area" in lines[2]
+    assert lines[-2] == "| 9.50 GB/s | 2.90 GB/s | 3.10 GB/s | yes |"
+    assert "No result: " in _disk_lines(None, {"piece": "disk", "rc": 124, "seconds": 20, "limit": 20})[2]

@@ -14,7 +14,7 @@ from package_source import imported_module, modules, parse
 
 # Lowest first: a module may import its own layer and the layers below it, never above.
 LAYERS = (
-    {"parallel", "memory", "attention", "mixers", "data", "models", "runtime"},  # the building blocks
+    {"parallel", "memory", "attention", "mixers", "data", "models", "runtime", "precision"},  # the building blocks
     {"integrations"},  # other libraries' models on top of the blocks
     {"torchtitan"},  # integrations/torchtitan: a plug-in on top of integrations
     {"trainer", "estimate", "evaluation", "export", "train", "eval", "prepare_data"},  # what a user runs
@@ -83,7 +83,7 @@ BLOCKS = (
     {"runtime"},
     {"attention"},
     {"parallel"},
-    {"memory", "mixers", "data"},
+    {"memory", "mixers", "data", "precision"},
     {"models"},
 )
 

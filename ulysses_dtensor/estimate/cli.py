@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from .disk import ATTENTION_TFLOPS, DISK_GBPS, MATMUL_TFLOPS, STAGING_LAYERS
 from .plan import GIB
 from .planner import plan_memory
 from .search import HOST_BUDGET_GIB, PRECISION, find_max_seq_len
@@ -13,6 +14,10 @@ from .search import HOST_BUDGET_GIB, PRECISION, find_max_seq_len
 _EPILOG = """\
 Every other --section.key value is a config override, as for the trainer
 (e.g. --parallelism.sp 8 --memory.tiled_loss true --model.vocab_size 128256).
+
+With memory.offload_dir (the disk tier; --memory.offload_dir DIR) the offloaded
+layer inputs are planned on that disk (--disk-gib per GPU), the host holding a
+staging area of a few layers and the parameter state; the directory is not touched.
 
 The figure is allocated-tensor bytes (torch.cuda.max_memory_allocated), not
 nvidia-smi: keep --headroom-gib for the caching allocator, CUDA context and NCCL.
@@ -59,6 +64,17 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"host memory per GPU for offloaded activations and parameter state, GiB (default "
                         f"{HOST_BUDGET_GIB:g}: an 8-GPU node with 2 TiB of RAM, 16 GiB per GPU kept for the rest; "
                         f"0: no host ceiling)")
+    p.add_argument("--disk-gib", type=float, default=0.0,
+                   help="with memory.offload_dir: disk per GPU for the offloaded layer inputs, GiB (default 0: no "
+                        "disk ceiling; 3500 is about one 3.84 TB drive per GPU)")
+    p.add_argument("--disk-gbps", type=float, default=DISK_GBPS,
+                   help=f"with memory.offload_dir: the disk's bandwidth per GPU each way, GB/s, for the MODELLED step "
+                        f"time (default {DISK_GBPS:g}, an assumption: pass the figure measured there); the pinned "
+                        f"staging area holds {STAGING_LAYERS} layers' worth")
+    p.add_argument("--achieved-tflops", type=float, nargs="+", default=None, metavar="TFLOPS",
+                   help=f"the MODELLED step time's achieved rates, TFLOP/s: one for everything, or attention then "
+                        f"matmuls (default {ATTENTION_TFLOPS:g} {MATMUL_TFLOPS:g}: Hopper, SDPA forward+backward "
+                        f"and a large bf16 matmul)")
     p.add_argument("--precision", type=float, default=100 * PRECISION,
                    help=f"percent: the limit lies within this above the answer (default {100 * PRECISION:g})")
     p.add_argument("--granularity", type=int, default=None,
@@ -101,12 +117,23 @@ def _search_report(res) -> str:
         if res.host_budget_gib is not None:
             host += f", {best.host_bytes / GIB:.1f} GiB at the answer"
     lines.append(f"  ceilings: {device}; {host}")
+    if res.disk_tier:
+        disk = (f"disk: {res.disk_budget_gib:g} GiB per GPU (--disk-gib)" if res.disk_budget_gib is not None
+                else "disk: no ceiling")
+        if best is not None:
+            rest = best.host_bytes - best.staging_bytes
+            disk += (f", {best.disk_bytes / GIB:.1f} GiB at the answer; the host holds the staging area "
+                     f"({STAGING_LAYERS} layers, {best.staging_bytes / GIB:.1f} GiB)"
+                     + (f" and {rest / GIB:.1f} GiB of parameter state and the rest" if rest > 0.05 * GIB else ""))
+        lines.append(f"  {disk}")
     if res.binding is not None:
-        lines.append(f"  binding ceiling: {res.binding} memory")
+        lines.append(f"  binding ceiling: {res.binding}" + ("" if res.binding == "disk" else " memory"))
     if nxt is not None:
         over = f"{nxt.peak_gib:.2f} GiB on the device"
         if res.host_budget_gib is not None:
             over += f", {nxt.host_bytes / GIB:.1f} GiB on the host"
+        if res.disk_tier:
+            over += f", {nxt.disk_bytes / GIB:.1f} GiB on the disk"
         lines.append(f"  {nxt.seq_len:,} tokens does not fit: {over}")
     made = "every layer traced" if res.confirmed else "extrapolated from 4/5/6-layer traces"
     lines.append(f"  search: {len(res.plans)} lengths planned ({made}), {res.traces} traced steps, "
@@ -136,6 +163,19 @@ def _target(ns):
         raise ConfigError(f"{', '.join(named)}: {e}") from None
 
 
+def _rates(ns) -> dict:
+    """The MODELLED step time's assumptions as keywords of the planner, or a ConfigError."""
+    from ..trainer.config import ConfigError
+    from .disk import Rates
+
+    tflops = ns.achieved_tflops
+    try:
+        Rates.of(tflops, ns.disk_gbps)
+    except ValueError as e:
+        raise ConfigError(f"--achieved-tflops / --disk-gbps: {e}") from None
+    return {"disk_gbps": ns.disk_gbps, "achieved_tflops": tflops}
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..trainer.config import ConfigError, load_config
 
@@ -147,12 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         target = _target(ns)
         foreach = None if ns.foreach is None else ns.foreach == "true"
         plan_step, prepare = _step_kind(ns)
+        rates = _rates(ns)
         if ns.max_seq_len:
             log = None if ns.json else (lambda s: print(s, file=sys.stderr, flush=True))
             if not 0 < ns.precision < 100:
                 raise ConfigError(f"--precision {ns.precision:g} must be a percentage between 0 and 100 (e.g. 0.5)")
             if ns.host_budget_gib < 0:
                 raise ConfigError(f"--host-budget-gib {ns.host_budget_gib:g} must be GiB per GPU (0: no host ceiling)")
+            if ns.disk_gib < 0:
+                raise ConfigError(f"--disk-gib {ns.disk_gib:g} must be GiB per GPU (0: no disk ceiling)")
             if ns.granularity is not None and ns.granularity < 1:
                 raise ConfigError(f"--granularity {ns.granularity} must be a positive number of tokens per sp rank")
             res = find_max_seq_len(
@@ -160,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 host_budget_gib=ns.host_budget_gib or None, precision=ns.precision / 100,
                 granularity=ns.granularity, rows=ns.rows or 1, device=ns.device,
                 layers=ns.layers or "auto", foreach=foreach, loops=ns.loops, confirm=ns.confirm, log=log,
-                target=target, prepare=prepare,
+                target=target, prepare=prepare, disk_budget_gib=ns.disk_gib or None, **rates,
             )
             if ns.json:
                 print(json.dumps(res.to_dict()))
@@ -169,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         plan = plan_step(
             cfg, ns.world_size, ns.seq_len, rows=ns.rows, device=ns.device,
-            layers=ns.layers or "auto", foreach=foreach, loops=ns.loops, target=target,
+            layers=ns.layers or "auto", foreach=foreach, loops=ns.loops, target=target, **rates,
         )
         print(json.dumps(plan.to_dict()) if ns.json else plan.format())
         return 0

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.fsdp_reset import reset_fsdp
+from .disk import Rates
 from .planner import _assemble, _combine, _layers_to_trace, _prepare, _Step
 from .trace import (
     _fake_world,
@@ -92,10 +93,11 @@ def prepare_grpo(cfg, world_size, seq_len, *, reference: bool = True, old_policy
 
 
 def grpo_plan(cfg, world_size=None, seq_len=None, *, rows=None, device="cuda", layers="auto", foreach=None,
-              loops="edges", target=None, reference=True, old_policy=False):
+              loops="edges", target=None, reference=True, old_policy=False, disk_gbps=None, achieved_tflops=None):
     """:func:`~.planner.plan_memory` of a GRPO step (see the module doc)."""
     step = prepare_grpo(cfg, world_size, seq_len, reference=reference, old_policy=old_policy, rows=rows,
-                        device=device, foreach=foreach, edges=loops == "edges", target=target)
+                        device=device, foreach=foreach, edges=loops == "edges", target=target,
+                        rates=Rates.of(achieved_tflops, disk_gbps))
     return _assemble(step, *_combine(step, {}, _layers_to_trace(step, layers)))
 
 

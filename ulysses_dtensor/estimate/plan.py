@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..attention.kernel_table import MEMORY
+from .disk import STAGING_LAYERS, format_step_time
 
 GIB = 1 << 30
 
@@ -69,6 +70,11 @@ class MemoryPlan:
     tp: int = 1
     target: str = ""  # the machine whose attention kernels were planned (Capabilities.describe())
     attention: list = field(default_factory=list)  # the kernels planned: kernel, case, why, memory, calls
+    # With memory.offload_dir (the disk tier): the offloaded bytes on the disk, and of host_bytes
+    # the pinned staging area (disk.STAGING_LAYERS layers' worth); 0 without it.
+    disk_bytes: int = 0
+    staging_bytes: int = 0
+    step_time: dict | None = None  # the MODELLED step time with the disk traffic (disk.modelled_step_time)
 
     @property
     def peak_gib(self) -> float:
@@ -130,8 +136,15 @@ class MemoryPlan:
             for a in self.attention:
                 lines.append(f"    {a['kernel']} for {a['case']} ({a['why']}): keeps {MEMORY[a['memory']]}")
         lines.append(f"  saved activations when backward starts{'':19s}{g(self.saved_activation_bytes)}")
-        if self.host_bytes:
+        if self.disk_bytes:
+            lines.append(f"  {'disk (memory.offload_dir): the offloaded tensors':57s}{g(self.disk_bytes)}")
+            staging = f"host: pinned staging area, {STAGING_LAYERS} layers of them"
+            lines.append(f"  {staging:57s}{g(self.staging_bytes)}")
+            lines.append(f"  {'host in all (staging, parameter state, host AdamW)':57s}{g(self.host_bytes)}")
+        elif self.host_bytes:
             lines.append(f"  host (pinned CPU) memory for offloaded tensors{'':11s}{g(self.host_bytes)}")
+        if self.step_time:
+            lines += format_step_time(self.step_time)
         t = self.trace
         how = (
             f"extrapolated linearly in the layer count from full-step traces of "

@@ -7,6 +7,8 @@ import copy
 from dataclasses import dataclass, field
 
 from ..attention.planning import default_target
+
+from .disk import STAGING_LAYERS, Rates, disk_split, modelled_step_time
 from .plan import MemoryPlan
 from .trace import _extrapolate, _Trace, _trace_step, _vocab_size
 
@@ -91,6 +93,10 @@ def _prepared_config(cfg, seq_len, rows, notes):
     cfg.context.schedule = []
     cfg.context.constant_tokens_per_step = False
     cfg.training.seq_len = seq_len
+    if cfg.memory.offload_dir and cfg.memory.offload_activations:
+        # Traced with the host offloader (its copies on "meta", counted), then the offloaded
+        # bytes are read as the disk's (disk.disk_split): planning never touches the directory.
+        cfg.memory.offload_dir = ""
     return cfg, seq_len, batch
 
 
@@ -112,6 +118,8 @@ class _Step:
     edges: bool
     target: object  # the Capabilities whose attention kernels are planned
     notes: list = field(default_factory=list)
+    offload_dir: str = ""  # memory.offload_dir of the config ('': offloaded tensors in host memory)
+    rates: Rates = field(default_factory=Rates)  # what the MODELLED step time assumes (disk tier)
     attention: dict = field(default_factory=dict)  # Choice -> calls, of the longest model traced
     attention_layers: int = 0
 
@@ -132,12 +140,15 @@ class _Step:
                            foreach=self.foreach, edges=self.edges, target=self.target)
 
 
-def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges, target=None) -> _Step:
+def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges, target=None, rates: Rates | None = None
+             ) -> _Step:
     """Check ``cfg`` for ``world_size`` ranks and prepare it for traces of one step
-    (attention planned for ``target``: see :func:`plan_memory`)."""
+    (attention planned for ``target``: see :func:`plan_memory`; ``rates``: what the
+    MODELLED step time of the disk tier assumes)."""
     from ..models.llama import FLAVORS
     from ..parallel.mesh import ParallelDims
-    from ..trainer.config import model_args, validate_config
+    from ..precision.float8 import MIN_CAPABILITY
+    from ..trainer.config import ConfigError, model_args, validate_config
     from ..trainer.mesh_fit import fit_to_world
 
     if device not in ("cuda", "cpu"):
@@ -146,6 +157,15 @@ def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges, target=N
         world_size = _default_world_size(cfg)
     notes: list[str] = []
     cfg = copy.deepcopy(cfg)
+    offload_dir = cfg.memory.offload_dir if cfg.memory.offload_activations and device == "cuda" else ""
+    if cfg.float8.enable:
+        notes.append(f"float8 {cfg.float8.recipe_name}: torchao's FP8 linear layers traced as they run eagerly (FP8 "
+                     "copies, scales and each cast's float32 temporaries; torch.compile fuses the casts and "
+                     "needs less)" + ("; FP8 all-gathers" if cfg.float8.enable_fsdp_float8_all_gather else ""))
+    if offload_dir:
+        notes.append(f"memory.offload_dir={offload_dir!r}: the offloaded tensors planned on that disk, through a "
+                     f"pinned staging area of {STAGING_LAYERS} layers' worth in host memory (the directory "
+                     f"is not touched)")
     fit_to_world(cfg, world_size)  # "auto" sizes as the trainer would fit them to this world
     cfg, seq_len, batch = _prepared_config(cfg, seq_len, rows, notes)
     par = cfg.parallelism
@@ -185,8 +205,13 @@ def _prepare(cfg, world_size, seq_len, *, rows, device, foreach, edges, target=N
         target = default_target(device)
     elif device == "cpu" and target.cuda:
         raise ValueError(f"planning for device 'cpu' with a GPU target ({target.describe()}): plan for 'cuda'")
+    if cfg.float8.enable and target.cuda and target.sm is not None and target.sm < MIN_CAPABILITY:
+        raise ConfigError(f"float8.enable=true planned for {target.describe()}: FP8 matmuls need compute capability "
+                          f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (sm{target.sm[0]}{target.sm[1]} has "
+                          f"none); plan for an H100 or newer, or with float8.enable=false")
     return _Step(cfg, world_size, seq_len, dims, rows, micro, traced_rows, device, foreach, vocab,
-                 args.n_layers, edges, target, notes)
+                 args.n_layers, edges, target, notes, offload_dir=offload_dir,
+                 rates=rates or Rates())
 
 
 def _layers_to_trace(step: _Step, layers: str, *, checked: bool = True) -> str:
@@ -272,7 +297,10 @@ def _assemble(step: _Step, trace: _Trace, trace_info: dict, trace_notes: list = 
         "tiled_mlp": mem.tiled_mlp,
         "tiled_loss": mem.tiled_loss,
         "offload": mem.offload_activations,
+        "offload_dir": step.offload_dir or None,
         "offload_params": mem.offload_params,
+        "float8": cfg.float8.recipe_name if cfg.float8.enable else None,
+        "float8_all_gather": cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather,
         "param_dtype": cfg.training.mixed_precision_param,
         "adamw_foreach": step.foreach,
     }
@@ -298,6 +326,11 @@ def _assemble(step: _Step, trace: _Trace, trace_info: dict, trace_notes: list = 
         )
     notes.append("packed documents not traced (one causal document per row): the kernel planned for them keeps "
                  "the same memory when its class is O(S) (cu_seqlens, a block mask)")
+    host_bytes, disk = trace.host_peak, {}
+    if step.offload_dir:
+        disk = disk_split(trace)
+        host_bytes = disk["host_bytes"]
+        disk["step_time"] = _step_time(step, trace.layer_offload)
     return MemoryPlan(
         flavor=cfg.model.hf_path or cfg.model.flavor,
         world_size=step.world_size,
@@ -318,12 +351,26 @@ def _assemble(step: _Step, trace: _Trace, trace_info: dict, trace_notes: list = 
         kinds={k: v for k, v in peak["kinds"].items() if v},
         phase_peaks={ph: p["total"] for ph, p in trace.phase_peaks.items()},
         end_of_forward=end_fwd,
-        host_bytes=trace.host_peak,
+        host_bytes=host_bytes,
+        disk_bytes=disk.get("disk_bytes", 0),
+        staging_bytes=disk.get("staging_bytes", 0),
+        step_time=disk.get("step_time"),
         trace=trace_info,
         notes=notes,
         target=step.target.describe(),
         attention=_planned_attention(step),
     )
+
+
+def _step_time(step: _Step, layer_bytes: int) -> dict:
+    """The MODELLED step time of ``step`` with its layer inputs on the disk (:mod:`.disk`)."""
+    from ..trainer.config import model_args
+
+    cfg = step.cfg
+    return modelled_step_time(
+        model_args(cfg, step.vocab), step.dims, seq_len=step.seq_len, rows=step.rows, micro=step.micro,
+        vocab=step.vocab, layer_bytes=layer_bytes, save_attention=cfg.activation_checkpoint.save_attention,
+        tiled_loss=cfg.memory.tiled_loss, rates=step.rates)
 
 
 def _planned_attention(step: _Step) -> list[dict]:
@@ -345,6 +392,8 @@ def plan_memory(
     foreach: bool | None = None,
     loops: str = "edges",
     target=None,
+    disk_gbps: float | None = None,
+    achieved_tflops=None,
 ) -> MemoryPlan:
     """Trace one training step of ``cfg`` on rank 0 of ``world_size`` fake ranks.
 
@@ -378,6 +427,13 @@ def plan_memory(
             decides whether it keeps O(S) or a dense (S, S) mask / scores. Default
             (:func:`~ulysses_dtensor.attention.planning.default_target`): this
             machine's GPU, else an H100 with this torch; the CPU for ``device="cpu"``.
+        disk_gbps, achieved_tflops: with ``memory.offload_dir`` (the disk tier), what
+            the plan's MODELLED step time assumes: the disk's bandwidth per GPU (GB/s,
+            default :data:`~.disk.DISK_GBPS`) and the achieved rate (TFLOP/s: one number,
+            or attention and matmul; default :data:`~.disk.ATTENTION_TFLOPS`,
+            :data:`~.disk.MATMUL_TFLOPS`). The offloaded bytes are then the disk's
+            (``disk_bytes``) and the host holds the staging area (``staging_bytes``,
+            :data:`~.disk.STAGING_LAYERS` layers' worth) and the parameter state.
 
     The process must not have a process group (the planner makes a fake one).
     Raises :class:`~ulysses_dtensor.trainer.config.ConfigError` for a bad config.
@@ -385,5 +441,5 @@ def plan_memory(
     if loops not in ("edges", "all"):
         raise ValueError(f"loops={loops!r} must be 'edges' or 'all'")
     step = _prepare(cfg, world_size, seq_len, rows=rows, device=device, foreach=foreach, edges=loops == "edges",
-                    target=target)
+                    target=target, rates=Rates.of(achieved_tflops, disk_gbps))
     return _assemble(step, *_combine(step, {}, _layers_to_trace(step, layers)))

@@ -17,11 +17,13 @@ precision above it: two to four points in all. With ``granularity`` the answer i
 instead a multiple of ``granularity * sp`` whose next multiple up is planned and
 does not fit.
 
-Two ceilings: the GPU's memory (``budget_gib - headroom_gib`` of allocated
-tensors), and the host's (``host_budget_gib`` per GPU for offloaded activations
+Three ceilings: the GPU's memory (``budget_gib - headroom_gib`` of allocated
+tensors), the host's (``host_budget_gib`` per GPU for offloaded activations
 and, with ``memory.offload_params``, the parameter state: a length whose plan
-needs more host memory than that does not fit either). The answer names the one
-that binds.
+needs more host memory than that does not fit either), and with
+``memory.offload_dir`` (the disk tier) the disk's (``disk_budget_gib`` per GPU for
+the offloaded activations, the host then holding only the staging area and the
+parameter state). The answer names the one that binds.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+from .disk import Rates
 from .plan import GIB, MemoryPlan
 from .planner import _assemble, _combine, _default_world_size, _layers_to_trace, _prepare
 
@@ -60,12 +63,15 @@ class SeqLenSearch:
     confirmed: bool = False  # the plans at the boundary traced every layer
     seconds: float = 0.0
     host_budget_gib: float | None = None  # None: no host ceiling (plans for CPU)
-    binding: str | None = None  # "device" or "host": the ceiling the next length up exceeds first
+    binding: str | None = None  # "device", "host" or "disk": the ceiling the next length up exceeds first
     limit_below: int = 0  # the limit lies below this length (planned not to fit, or predicted)
     limit_planned: bool = False  # limit_below is a planned length (not a prediction)
     precision: float = 0.0  # limit_below / max_seq_len - 1
     traces: int = 0  # traced steps (a plan extrapolated from 4/6 blocks is two)
     host_bytes: list = field(default_factory=list)  # host bytes of each of ``plans``
+    disk_budget_gib: float | None = None  # None: no disk ceiling (or no disk tier: disk_tier False)
+    disk_tier: bool = False  # memory.offload_dir: the offloaded tensors planned on the disk
+    disk_bytes: list = field(default_factory=list)  # disk bytes of each of ``plans``
 
     def to_dict(self) -> dict:
         return {
@@ -78,11 +84,14 @@ class SeqLenSearch:
             "budget_gib": self.budget_gib,
             "headroom_gib": self.headroom_gib,
             "host_budget_gib": self.host_budget_gib,
+            "disk_tier": self.disk_tier,
+            "disk_budget_gib": self.disk_budget_gib,
             "confirmed_by_full_trace": self.confirmed,
             "seconds": round(self.seconds, 1),
             "traces": self.traces,
             "tried": self.plans,
             "tried_host_bytes": self.host_bytes,
+            "tried_disk_bytes": self.disk_bytes,
             "best": self.best.to_dict() if self.best else None,
             "next_up": self.next_up.to_dict() if self.next_up else None,
         }
@@ -119,21 +128,24 @@ class _Point:
     k: int  # length in units
     device: int  # planned peak (bytes)
     host: int  # planned host memory (bytes)
+    disk: int  # planned disk bytes (the disk tier; else 0)
     fits: bool
     plan: MemoryPlan
     trace: object  # the (extrapolated) _Trace
 
 
-def _one_point_limit(p: _Point, unit: int, limit: float, host_limit: float | None) -> tuple[float, float]:
-    """(device, host) limits in tokens estimated from one point: the bytes that grow
-    with the length scaled to it, the rest kept."""
+def _one_point_limit(p: _Point, unit: int, limit: float, host_limit: float | None,
+                     disk_limit: float | None = None) -> tuple[float, float, float]:
+    """(device, host, disk) limits in tokens estimated from one point: the bytes that grow
+    with the length scaled to it, the rest kept (on the host the parameter state; with the
+    disk tier the staging area grows, and every disk byte does)."""
     s = p.k * unit
     dev = math.inf
     for ph in p.trace.phase_peaks.values():
         grows = sum(ph["cats"].get(c, 0) for c in _GROWS)
         fixed = ph["total"] - grows
         if fixed > limit:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         if grows > 0:
             dev = min(dev, s * (limit - fixed) / grows)
     host = math.inf
@@ -143,7 +155,10 @@ def _one_point_limit(p: _Point, unit: int, limit: float, host_limit: float | Non
             host = 0.0
         elif grows > 0:
             host = s * (host_limit - p.trace.host_fixed) / grows
-    return dev, host
+    disk = math.inf
+    if disk_limit is not None and p.disk > 0:
+        disk = s * disk_limit / p.disk
+    return dev, host, disk
 
 
 def _device_bytes(p: _Point) -> int:
@@ -152,6 +167,10 @@ def _device_bytes(p: _Point) -> int:
 
 def _host_bytes(p: _Point) -> int:
     return p.host
+
+
+def _disk_bytes(p: _Point) -> int:
+    return p.disk
 
 
 def _crossing(a: _Point, b: _Point, value, limit: float, unit: int) -> float:
@@ -211,8 +230,11 @@ def find_max_seq_len(
     log=None,
     target=None,
     prepare=None,
+    disk_budget_gib: float | None = None,
+    disk_gbps: float | None = None,
+    achieved_tflops=None,
 ) -> SeqLenSearch:
-    """Longest ``seq_len`` whose planned step fits the GPU's and the host's memory.
+    """Longest ``seq_len`` whose planned step fits the GPU's and the host's memory (and the disk).
 
     Fits means ``peak <= budget_gib - headroom_gib`` and, planning for CUDA with
     ``host_budget_gib`` (default :data:`HOST_BUDGET_GIB`; None for no host
@@ -228,7 +250,10 @@ def find_max_seq_len(
     layout's answer. ``max_plans`` bounds the points planned after them (the
     answer is then the best so far, with the precision it reached). ``prepare``: what
     prepares each step to trace (default: a training step; :func:`~.grpo.prepare_grpo`
-    with its options bound for a GRPO step).
+    with its options bound for a GRPO step). ``disk_budget_gib``: with ``memory.offload_dir``
+    planning for CUDA, the disk per GPU for the offloaded tensors (None: no disk ceiling);
+    ``disk_gbps`` and ``achieved_tflops``: what the MODELLED step time assumes
+    (:func:`plan_memory`).
     """
     prepare = prepare or _prepare
     if not 0 < precision < 1:
@@ -239,47 +264,55 @@ def find_max_seq_len(
         world_size = _default_world_size(cfg)
     t0 = time.perf_counter()
     edges = loops == "edges"
-    first = prepare(cfg, world_size, None, rows=rows, device=device, foreach=foreach, edges=edges, target=target)
+    rates = Rates.of(achieved_tflops, disk_gbps)
+    first = prepare(cfg, world_size, None, rows=rows, device=device, foreach=foreach, edges=edges, target=target,
+                    rates=rates)
     unit = _unit(first.dims, granularity)
     if max_units is None:
         max_units = max(1, (1 << 31) // unit)
     limit = (budget_gib - headroom_gib) * GIB
     host_limit = host_budget_gib * GIB if host_budget_gib is not None and device == "cuda" else None
+    disk_tier = bool(first.offload_dir)
+    disk_limit = disk_budget_gib * GIB if disk_budget_gib is not None and disk_tier else None
     traced: dict = {}  # (k, how) -> (step, traces by layer count)
     points: dict[int, _Point] = {}  # the search's points (one way of tracing)
     tried: list = []
     hosts: list = []
+    disks: list = []
 
     def plan(k: int, how: str, check: bool = False) -> _Point:
         if (k, how) not in traced:
             traced[(k, how)] = (prepare(cfg, world_size, k * unit, rows=rows, device=device, foreach=foreach,
-                                         edges=edges, target=first.target), {})
+                                         edges=edges, target=first.target, rates=rates), {})
         step, traces = traced[(k, how)]
         trace, info, notes = _combine(step, traces, how, check=check)
         pl = _assemble(step, trace, info, notes)
-        p = _Point(k, pl.peak_bytes, pl.host_bytes,
-                   pl.peak_bytes <= limit and (host_limit is None or pl.host_bytes <= host_limit), pl, trace)
+        fits = (pl.peak_bytes <= limit and (host_limit is None or pl.host_bytes <= host_limit)
+                and (disk_limit is None or pl.disk_bytes <= disk_limit))
+        p = _Point(k, pl.peak_bytes, pl.host_bytes, pl.disk_bytes, fits, pl, trace)
         if k not in points:
             tried.append((k * unit, p.device, info["extrapolated"]))
             hosts.append(p.host)
+            disks.append(p.disk)
             if log is not None:
                 host = f", host {p.host / GIB:.1f} GiB" if host_limit is not None else ""
+                host += f", disk {p.disk / GIB:.1f} GiB" if disk_tier else ""
                 made = "extrapolated" if info["extrapolated"] else "full trace"
                 log(f"  seq_len {k * unit:>12,}: {p.device / GIB:8.2f} GiB{host} "
                     f"({made}, {info['seconds']:.0f} s){'' if p.fits else ': does not fit'}")
         points[k] = p
         return p
 
-    def estimates() -> tuple[float, float]:
-        """(device, host): the limit's best estimate in tokens for each ceiling."""
+    def estimates() -> dict[str, float]:
+        """Ceiling ("device", "host", "disk") -> the limit's best estimate in tokens."""
         pts = list(points.values())
-        dev = _nearest_limit(pts, _device_bytes, limit, unit)
-        hst = math.inf if host_limit is None else _nearest_limit(pts, _host_bytes, host_limit, unit)
-        if dev is None or hst is None:
-            d1, h1 = _one_point_limit(max(pts, key=lambda p: p.k), unit, limit, host_limit)
-            dev = d1 if dev is None else dev
-            hst = h1 if hst is None else hst
-        return dev, hst
+        est = {"device": _nearest_limit(pts, _device_bytes, limit, unit),
+               "host": math.inf if host_limit is None else _nearest_limit(pts, _host_bytes, host_limit, unit),
+               "disk": math.inf if disk_limit is None else _nearest_limit(pts, _disk_bytes, disk_limit, unit)}
+        if None in est.values():
+            one = _one_point_limit(max(pts, key=lambda p: p.k), unit, limit, host_limit, disk_limit)
+            est = {name: v if v is not None else o for (name, v), o in zip(est.items(), one)}
+        return est
 
     def bound() -> tuple[int, int | None, float]:
         """(lo, hi, above): lo the longest planned length that fits (0: none), hi the
@@ -289,7 +322,8 @@ def find_max_seq_len(
         hi = min((p.k for p in points.values() if not p.fits and p.k > lo), default=None)
         pts = list(points.values())
         above = min(hi * unit if hi is not None else math.inf, _limit_above(pts, _device_bytes, limit, unit),
-                    math.inf if host_limit is None else _limit_above(pts, _host_bytes, host_limit, unit))
+                    math.inf if host_limit is None else _limit_above(pts, _host_bytes, host_limit, unit),
+                    math.inf if disk_limit is None else _limit_above(pts, _disk_bytes, disk_limit, unit))
         return lo, hi, above
 
     def search(how: str) -> tuple[int, int | None, float]:
@@ -306,7 +340,7 @@ def find_max_seq_len(
             if granularity is None and lo and above <= lo * unit * (1 + precision):
                 break
             # Aim a little below the estimate: the point then fits, and closes the gap from below.
-            est = min(estimates())
+            est = min(estimates().values())
             aim = est * (1 - precision / 3) if granularity is None else est
             top = hi - 1 if hi is not None else max_units
             plan(min(max(int(aim // unit), lo + 1), top), how)
@@ -339,13 +373,13 @@ def find_max_seq_len(
         limit_below = max(math.ceil(above / unit), lo + 1) * unit
     else:
         limit_below = 0  # nothing longer planned not to fit (max_units, or max_plans ran out)
-    dev, hst = estimates()
-    binding = "host" if hst < dev else "device"
+    est = estimates()
+    binding = min(est, key=est.get)  # the ceiling whose limit comes first (ties: device, host, disk)
     if nxt is not None:
-        over_device = nxt.device > limit
-        over_host = host_limit is not None and nxt.host > host_limit
-        if over_device != over_host:
-            binding = "device" if over_device else "host"
+        over = [name for name, bytes_, cap in (("device", nxt.device, limit), ("host", nxt.host, host_limit),
+                                               ("disk", nxt.disk, disk_limit)) if cap is not None and bytes_ > cap]
+        if len(over) == 1:  # the next length up exceeds exactly one ceiling: that one binds
+            binding = over[0]
     return SeqLenSearch(
         max_seq_len=lo * unit,
         unit=unit,
@@ -363,4 +397,7 @@ def find_max_seq_len(
         precision=(limit_below / (lo * unit) - 1) if lo and limit_below else (math.inf if lo else 0.0),
         traces=sum(len(t) for _, t in traced.values()),
         host_bytes=hosts,
+        disk_budget_gib=disk_budget_gib if disk_limit is not None else None,
+        disk_tier=disk_tier,
+        disk_bytes=disks,
     )

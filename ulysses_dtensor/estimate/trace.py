@@ -99,6 +99,8 @@ class _Trace:
     host_phase_peaks: dict = field(default_factory=dict)  # phase -> host peak in it
     edges: bool = False  # sequence loops traced at their edge pieces
     attention: dict = field(default_factory=dict)  # Choice (the kernel planned) -> calls in the step
+    disk_peak: int = 0  # offloaded bytes held at once (what the disk holds with memory.offload_dir)
+    layer_offload: int = 0  # the largest layer's offloaded bytes (its input, and kept attention outputs)
 
 
 def _vocab_size(cfg) -> int:
@@ -190,14 +192,35 @@ def traced_model(cfg, pmesh, vocab: int, args, device: str):
         # Host copies on "meta": free on the traced device, counted as host memory.
         # (Planning for CPU keeps the trainer's CPU path: a copy in the same memory.)
         offloader.host_device = torch.device("meta")
+        _count_slots(offloader)
     return model
+
+
+def _count_slots(offloader) -> None:
+    """Record each offloaded layer's bytes (its input, then what ``add`` puts beside it) in
+    ``offloader.planned_slot_bytes``: the disk tier's staging area holds layers' worth of
+    them. Wraps this instance's public methods; the offloader's own code is untouched."""
+    sizes: dict = {}
+    offload, add = offloader.offload, offloader.add
+
+    def counted_offload(x):
+        handle = offload(x)
+        sizes[handle] = x.numel() * x.element_size()
+        return handle
+
+    def counted_add(handle, tensors):
+        add(handle, tensors)
+        sizes[handle] = sizes.get(handle, 0) + sum(t.numel() * t.element_size() for t in tensors)
+
+    offloader.offload, offloader.add = counted_offload, counted_add
+    offloader.planned_slot_bytes = sizes
 
 
 def step_tracker(model, optimizer, cfg, args, vocab: int, dims, device: str):
     """The memory tracker of one traced step of ``model``: with ``offload_params`` on a GPU
     the parameter state is host memory, and each all-gather's staging copy is added."""
     host_state = cfg.memory.offload_params and device == "cuda"
-    return _make_tracker_cls()(
+    tracker = _make_tracker_cls()(
         model,
         optimizer,
         classify=_classifier(vocab, args.ffn_dim, args.dim, ring=dims.ring > 1),
@@ -206,6 +229,8 @@ def step_tracker(model, optimizer, cfg, args, vocab: int, dims, device: str):
         host_state=host_state,
         staging=_largest_shard_group_bytes(model) if host_state else 0,
     )
+    tracker.offload_slots = getattr(getattr(model, "offloader", None), "planned_slot_bytes", {})
+    return tracker
 
 
 def edge_loops(edges: bool):
@@ -233,6 +258,8 @@ def trace_of(tracker, n_layers: int, seconds: float, edges: bool, attention) -> 
         edges=edges,
         host_phase_peaks=dict(tracker.host_phase_peaks),
         attention=dict(attention),
+        disk_peak=tracker.meta_peak,
+        layer_offload=max(tracker.offload_slots.values(), default=0),
     )
 
 
@@ -302,5 +329,7 @@ def _extrapolate(t1: _Trace, t2: _Trace, n_layers: int) -> _Trace:
     host_phases = _lin_dict(t1.host_phase_peaks, t2.host_phase_peaks, w)
     host = max(host_phases.values(), default=0)
     fixed = round(t1.host_fixed + (t2.host_fixed - t1.host_fixed) * w)
+    disk = round(t1.disk_peak + (t2.disk_peak - t1.disk_peak) * w)  # a slot per block: linear in them
     return _Trace(n_layers, phases, bounds, host, t1.seconds + t2.seconds, host_fixed=max(0, fixed),
-                  ops=t1.ops + t2.ops, edges=t1.edges and t2.edges, host_phase_peaks=host_phases)
+                  ops=t1.ops + t2.ops, edges=t1.edges and t2.edges, host_phase_peaks=host_phases,
+                  disk_peak=max(0, disk), layer_offload=max(t1.layer_offload, t2.layer_offload))

@@ -63,6 +63,8 @@ def _make_tracker_cls():
             self._host_keys = [t for t in _FSDPRefType if t.value in self._host_cats]
             self._host_phases = _HOST_PHASES if host_state else ()
             self._meta_level = 0
+            self.meta_peak = 0  # offloaded bytes held at once (on the host, or on the disk with offload_dir)
+            self.offload_slots: dict = {}  # offloader handle -> bytes of its slot (see trace.traced_model)
             self._boundary_device_level = 0
             self.phase = "setup"
             self.phase_peaks: dict[str, dict] = {}
@@ -192,6 +194,7 @@ def _make_tracker_cls():
                     self.host_state_peak = max(self.host_state_peak, level)
                 elif dev.type == "meta":
                     self._meta_level = snap[_TOTAL_KEY]
+                    self.meta_peak = max(self.meta_peak, self._meta_level)
                     self._host(self._meta_level + self._host_state_level())
 
         def _host(self, level: int) -> None:

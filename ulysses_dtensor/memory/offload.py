@@ -13,6 +13,10 @@ starts: the attention backward is the peak of a block's backward, and the
 input arriving early would add its size to it. A layer's backward at those
 lengths takes seconds; the copy, a fraction of one.
 
+With ``offload_dir`` the copies go to a file on a local disk through a bounded
+staging area instead of host memory (:mod:`.disk_offload`); the order of copies
+out, prefetches and waits is the same.
+
 The block runs under PyTorch's non-reentrant activation checkpointing, with
 one change: the function checkpointing replays reads the block input from the
 host copy instead of holding the device tensor. Forward is the block's own,
@@ -33,11 +37,13 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     ActivationWrapper,
 )
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from ..parallel.head_chunks import after_chunked_backward, chunked_calls
 from ..runtime.regions import in_region
+from .disk_offload import DiskStore
 from .saved_attention import AttentionKeeping, KeptOutputs, take_kept_outputs
 
 __all__ = ["HostOffloader", "OffloadedCheckpointBlock", "make_offloader"]
@@ -45,14 +51,11 @@ __all__ = ["HostOffloader", "OffloadedCheckpointBlock", "make_offloader"]
 
 def make_offloader(memory) -> "HostOffloader | None":
     """The offloader a model's :class:`~ulysses_dtensor.memory.options.MemoryOptions` asks for
-    (None: nothing offloaded)."""
+    (None: nothing offloaded); with ``offload_dir``, to a file there. Touches no disk: the
+    directory is checked before the first write."""
     if not memory.offload_activations:
         return None
-    if memory.offload_dir is not None:
-        raise NotImplementedError(
-            f"offload_dir={memory.offload_dir!r}: the disk tier is not implemented yet; leave offload_dir unset "
-            f"(host memory only)")
-    return HostOffloader()
+    return HostOffloader(disk=DiskStore(memory.offload_dir) if memory.offload_dir is not None else None)
 
 
 class HostOffloader:
@@ -62,16 +65,42 @@ class HostOffloader:
     block i can start fetching the input of block i-1. A slot holds a block's
     input and, with ``save_attention``, the attention outputs its checkpoint
     kept (:meth:`add`); they come back together.
+
+    ``disk``: a :class:`~.disk_offload.DiskStore`: the copies go to its file through its
+    staging area instead of host memory. The planner's fake tensors and
+    ``host_device="meta"`` write nothing; :attr:`staging_bytes` and :attr:`disk_bytes`
+    count what a real step would hold.
     """
 
-    def __init__(self, host_device: str | torch.device = "cpu") -> None:
+    def __init__(self, host_device: str | torch.device = "cpu", disk: DiskStore | None = None) -> None:
         # "meta" makes host copies free on the traced device: the memory
         # planner uses it under fake tensors to model pinned host memory.
         self.host_device = torch.device(host_device)
+        self.disk = disk
+        self.blocks = 0  # blocks wrapped with this offloader (the disk's space check before a write)
         self._slots: list[dict] = []
         self.offloaded_bytes = 0  # bytes moved out in the current step
         self._stream = None
         self._chunked_at_start = 0  # chunked attention calls counted when the step's forward began
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the disk tier's staging area (0 without ``disk``)."""
+        return self.disk.staging_bytes if self.disk is not None else 0
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the disk tier's file holds: the largest step's offloaded bytes (0 without ``disk``)."""
+        return self.disk.disk_bytes if self.disk is not None else 0
+
+    def close(self) -> None:
+        """End the disk tier's I/O thread and drop its file (also done when collected)."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def _real(self, x: Tensor) -> bool:
+        # The planner's traces: host copies counted, never made.
+        return self.host_device.type != "meta" and x.device.type != "meta" and not is_fake(x)
 
     @property
     def held(self) -> int:
@@ -87,6 +116,12 @@ class HostOffloader:
 
     @in_region("offload.copy_out")
     def _copy_out(self, slot: dict, x: Tensor) -> None:
+        if self.disk is not None:
+            real = slot["real"] = self._real(x)
+            stream = self._side_stream(x.device) if real else None
+            slot["host"].append((self.disk.put(x, stream, io=real), None))
+            self.offloaded_bytes += x.numel() * x.element_size()
+            return
         stream = self._side_stream(x.device)
         if self.host_device.type == "meta":
             host, event = x.detach().to("meta"), None
@@ -95,7 +130,7 @@ class HostOffloader:
             # code path (copy out, copy back, prefetch order) stays the same.
             host, event = x.detach().clone(), None
         else:
-            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            host = torch.empty_like(x, device="cpu", pin_memory=True)  # x's layout, as the disk keeps it
             stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(stream):
                 host.copy_(x.detach(), non_blocking=True)
@@ -114,6 +149,10 @@ class HostOffloader:
             self.offloaded_bytes = 0
         if not self._slots:
             self._chunked_at_start = chunked_calls()
+            if self.disk is not None:
+                # The first block input sizes the staging area's chunks; a step needs one per block at least.
+                nbytes = x.numel() * x.element_size()
+                self.disk.new_step(nbytes, max(1, self.blocks) * nbytes)
         slot: dict = {"device": x.device, "host": []}
         self._copy_out(slot, x)
         self._slots.append(slot)
@@ -123,6 +162,9 @@ class HostOffloader:
         """Start copying ``tensors`` (on the block input's device) to host memory with
         the block input of ``handle``; :meth:`fetch_all` returns them after it."""
         slot = self._slots[handle]
+        if self.disk is not None:  # a layer's worth is known now: the staging area holds STAGING_LAYERS of them
+            self.disk.reserve(sum(r.nbytes for r, _ in slot["host"]) + sum(t.numel() * t.element_size()
+                                                                           for t in tensors))
         for t in tensors:
             if t.device != slot["device"]:
                 raise RuntimeError(f"a kept tensor on {t.device} beside a block input on {slot['device']}")
@@ -133,13 +175,19 @@ class HostOffloader:
         slot = self._slots[handle]
         slot.pop("host", None)
         slot.pop("device_copy", None)
+        slot.pop("pending", None)
 
     @in_region("offload.copy_in")
     def _start_fetch(self, handle: int) -> None:
         slot = self._slots[handle]
-        if "device_copy" in slot or "host" not in slot:
+        if "device_copy" in slot or "pending" in slot or "host" not in slot:
             return
         device = slot["device"]
+        if self.disk is not None:
+            real = slot["real"]
+            stream = self._side_stream(device) if real else None
+            slot["pending"] = [self.disk.get(record, device, stream, io=real) for record, _ in slot["host"]]
+            return
         stream = self._side_stream(device)
         if self.host_device.type == "meta":
             slot["device_copy"] = [h.to(device) for h, _ in slot["host"]]
@@ -161,14 +209,20 @@ class HostOffloader:
         previous block's start coming back."""
         self._start_fetch(handle)
         slot = self._slots[handle]
+        ready = [slot.pop("ready")] if "ready" in slot else []
+        if "pending" in slot:
+            reads = [self.disk.wait(p) for p in slot.pop("pending")]
+            slot["device_copy"] = [t for t, _ in reads]
+            ready = [event for _, event in reads if event is not None]
         if "device_copy" not in slot:
             raise RuntimeError(
                 f"block input {handle} was fetched twice or released: a checkpointed block's "
                 "backward ran twice (retain_graph=True is not supported with offload_activations)"
             )
-        if "ready" in slot:
+        if ready:
             current = torch.cuda.current_stream(slot["device"])
-            current.wait_event(slot.pop("ready"))
+            for event in ready:
+                current.wait_event(event)
             for t in slot["device_copy"]:
                 t.record_stream(current)
         if handle > 0:
@@ -256,6 +310,7 @@ class OffloadedCheckpointBlock(ActivationWrapper):
                  keep: AttentionKeeping | None = None):
         super().__init__(block)
         self.offloader = offloader
+        offloader.blocks += 1
         self.preserve_rng_state = preserve_rng_state
         self.keep = keep
 

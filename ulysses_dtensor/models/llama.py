@@ -40,6 +40,7 @@ from ..memory.tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entrop
 from ..parallel.loss import sp_cross_entropy
 from ..parallel.mesh import ring_degree
 from ..parallel.ring_layout import layout_position_ids
+from ..parallel.ulysses import grouped_attention, plain_linear, project_from_received, project_to_send, send_layout
 from ..runtime.regions import in_region, region
 from ..runtime.suggest import unknown_name
 from .init import init_param
@@ -196,6 +197,19 @@ def _unknown(what: str, name, valid) -> str:
 
 
 class Attention(nn.Module):
+    """q/k/v projections, rope, ``inner`` attention, o-projection.
+
+    Under Ulysses (``inner`` parallelized with ``UlyssesAttention``) the projections write
+    q, k, v in the all-to-all's send layout and the o-projection reads the output as its
+    all-to-all delivers it (:func:`~ulysses_dtensor.parallel.ulysses.grouped_attention`): no
+    layout copy around the exchange at batch 1. ``grouped_qkv = False``, or projections
+    that are not plain ``nn.Linear`` (FP8, LoRA, tensor parallelism), take the
+    ``(B, S/P, H, D)`` path instead: the same numbers (up to the order of float sums; the
+    o-projection adds its head blocks one by one), a permute copy per tensor each way.
+    """
+
+    grouped_qkv = True
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.n_heads = args.n_heads
@@ -215,7 +229,17 @@ class Attention(nn.Module):
         # Sees (B, S, H, D) q/k/v. Under Ulysses: the full sequence, H/sp heads.
         self.inner = LocalAttention(args.attn_backend)
 
+    def _send_layout(self, x: Tensor):
+        if not self.grouped_qkv or not all(plain_linear(m) for m in (self.wq, self.wk, self.wv, self.wo)):
+            return None
+        return send_layout(self.inner, x.shape[0], x.shape[1], self.wq.out_features // self.head_dim,
+                           self.wk.out_features // self.head_dim, self.head_dim, self.head_dim,
+                           self.wq.weight.element_size())
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        layout = self._send_layout(x)
+        if layout is not None:
+            return self._grouped_forward(layout, x, cos, sin, document_ids)
         b, s, _ = x.shape
         with region("proj.qkv"):
             q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -229,6 +253,22 @@ class Attention(nn.Module):
         out = self.inner(q, k, v, document_ids=document_ids)
         with region("proj.o"):
             return self.wo(out.reshape(b, s, -1))
+
+    def _grouped_forward(self, layout, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None) -> Tensor:
+        # The same steps on the send layout: per destination rank (and head chunk) blocks.
+        d = self.head_dim
+        with region("proj.qkv"):
+            q = project_to_send(x, self.wq, layout.ranks, layout.q_slabs, d)
+            k = project_to_send(x, self.wk, layout.kv_groups, layout.kv_slabs, d)
+            v = project_to_send(x, self.wv, layout.kv_groups, layout.kv_slabs, d)
+        if self.q_norm is not None:
+            q, k = [self.q_norm(t) for t in q], [self.k_norm(t) for t in k]
+        with region("rope"):
+            q = [apply_rope(t, cos, sin, self.rope_layout) for t in q]
+            k = [apply_rope(t, cos, sin, self.rope_layout) for t in k]
+        out = grouped_attention(self.inner, layout, q, k, v, document_ids=document_ids)
+        with region("proj.o"):
+            return project_from_received(out, self.wo, layout.q_slabs)
 
 
 class FeedForward(nn.Module):

@@ -58,6 +58,7 @@ from ..memory.saved_attention import (
     is_attention_kernel,
 )
 from ..parallel.mesh import ParallelMesh
+from ..precision.float8 import Float8Options, convert_to_float8
 from ..parallel.ring import RingAttention
 from ..parallel.tensor_parallel import LLAMA_TP_PLAN, check_tp_heads, tensor_parallelize
 from ..parallel.head_chunks import recomputes_in_chunks
@@ -79,6 +80,7 @@ def parallelize_llama(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     pack_qkv: bool = False,
+    float8: Float8Options | None = None,
     **switches,
 ) -> nn.Module:
     """Parallelize ``model`` (a :class:`~ulysses_dtensor.models.llama.Llama`) in place.
@@ -102,6 +104,8 @@ def parallelize_llama(
             forward (ZeRO-3). The last block always keeps them, since backward
             needs them at once.
         pack_qkv: one all-to-all for q, k and v together instead of three.
+        float8: FP8 linear layers (:class:`~ulysses_dtensor.precision.float8.Float8Options`;
+            torchao), converted first; ``model.float8_report`` says what was converted.
         The switches, in short (their full text is MemoryOptions'): ``ac_mode``
             ``"none"`` / ``"full"`` / ``"selective"`` with ``selective_ac`` (``"op"``
             or every k-th block); ``save_attention`` keeps the attention kernel's outputs
@@ -132,6 +136,7 @@ def parallelize_llama(
             kv_replication(args.n_heads, args.n_kv_heads, dims.sp // ring)
         check_chunks_for_heads(head_chunks, args.n_heads // tp, args.n_kv_heads // tp, dims.sp // ring,
                                "parallelize_llama: head_chunks")
+    apply_float8(model, float8, pmesh, tp)  # first: the FP8 layers are what the rest wraps and shards
     if tp > 1:
         # Tensor parallelism first: q/k/v then carry heads / tp heads into the exchange.
         tensor_parallelize(list(layers.values()), pmesh.tp, LLAMA_TP_PLAN)
@@ -183,6 +188,19 @@ def parallelize_llama(
         register_fsdp_forward_method(model, "hidden_states")
     return model
 
+
+
+def apply_float8(model: nn.Module, float8: Float8Options | None, pmesh: ParallelMesh, tp: int = 1) -> None:
+    """FP8 linear layers before anything else is applied (their weights are then what
+    tensor parallelism, compile and FSDP see); tensorwise scales reduce over ``pmesh.sp``."""
+    if float8 is None or not float8.enable:
+        return
+    if tp > 1:
+        raise ValueError(f"float8 with tp={tp}: FP8 linear layers are not combined with this package's tensor "
+                         f"parallelism; use sp (and dp) instead, or float8 enable=false")
+    device = pmesh.param_mesh.device_type
+    convert_to_float8(model, float8, device=torch.device(device, torch.cuda.current_device()) if device == "cuda"
+                      else device, sp_mesh=pmesh.sp if pmesh.dims.sp > 1 else None)
 
 
 def needs_rng_replay(model: nn.Module) -> bool:
@@ -317,11 +335,13 @@ def _op_sac_context():
     )
 
     save = _sac_save_ops()
-    mm = torch.ops.aten.mm.default
+    # The q/k/v projections write the exchange's send layout with a batched matmul (bmm):
+    # they count as matmuls like the others.
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
     counts: dict[str, int] = defaultdict(int)
 
     def policy(ctx, func, *args, **kwargs):
-        if func == mm:
+        if func in matmuls:
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1
             # Recompute every second matmul: half the matmul memory for a

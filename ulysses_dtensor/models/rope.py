@@ -393,13 +393,14 @@ _GROUP_MIN_BYTES = 1 << 26
 
 
 def _rotate_by_groups(x: Tensor, c: Tensor, s: Tensor, layout: str) -> Tensor:
-    heads = x.shape[2]
+    # Heads are dim -2: x may be (B, S, H, D) or the Ulysses send layout (P, B, S, H/P, D).
+    heads = x.shape[-2]
     step = max(1, -(-heads // _HEAD_GROUPS))
     if step >= heads or x.numel() * 4 < _GROUP_MIN_BYTES:
         return _rotate(x, c, s, layout)
     out = torch.empty_like(x)
     for h in range(0, heads, step):
-        out[:, :, h:h + step] = _rotate(x[:, :, h:h + step], c, s, layout)
+        out[..., h:h + step, :] = _rotate(x[..., h:h + step, :], c, s, layout)
     return out
 
 
@@ -421,7 +422,8 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "interleaved") -> Tensor:
-    """Rotate pairs of dims of ``x: (B, S, H, D)`` by the angles of ``cos, sin``.
+    """Rotate pairs of dims of ``x: (B, S, H, D)`` by the angles of ``cos, sin``
+    (``(B, S, D/2)``; ``x`` may have leading dims before B: the Ulysses send layout).
 
     ``"interleaved"``: pairs ``(x[2i], x[2i+1])`` (Meta's layout);
     ``"half"``: pairs ``(x[i], x[i + D/2])`` (Hugging Face's rotate-half layout).

@@ -21,6 +21,15 @@ gradients are alive at a time:
   gradient is dead once sent): no second full-size gradient. dk/dv of a kv head
   shared by several chunks are summed over them and sent back once.
 
+In the send layout (:func:`~.ulysses.grouped_attention`: our Llama's projections write
+it), q arrives as one part per chunk and k, v as one per kv group, each its chunk's send
+buffer; the received buffers are the kernel's inputs (views at batch 1, sequence
+outermost: the layout the kernels write); the output's received buffer is the chunk's
+part of the o-projection's input, returned as it is; in backward the output gradient's
+parts are sent as they are and freed once sent, dq's received part taking their memory.
+No layout copy at batch 1; in the ``(B, s, H, D)`` layout each exchange copies the
+chunk's heads in or out.
+
 Chunks follow the kv groups (GQA). With ``hk`` kv heads per rank, ``C`` divides
 ``hk`` (each chunk: ``hk / C`` kv heads and their query heads), or ``C`` is
 ``hk`` times a divisor of the group size ``hq / hk`` (a group's query heads
@@ -158,15 +167,22 @@ def resolve_head_chunks(setting: int | None, batch: int, seq: int, q_heads: int,
 
 
 class _Part(NamedTuple):
-    x: Tensor  # (B, s, P * per_rank, D): this rank's slice of the sequence
+    x: Tensor  # (P, B, s, per_rank, D): this rank's slice of the sequence, destination rank first
     heads: tuple[int, int]  # the chunk's heads among a rank's per_rank
-    per_rank: int
 
 
 class _InFlight(NamedTuple):
     send: Tensor  # kept until the wait: the collective reads it until it ends
     recv: Tensor  # async until waited
     parts: tuple
+
+
+def _by_rank(t: Tensor, size: int) -> Tensor:
+    """A (B, s, P * per_rank, D) tensor as its (P, B, s, per_rank, D) view; a part already in
+    the send layout (5-D) as it is."""
+    if t.dim() == 5:
+        return t
+    return t.unflatten(2, (size, t.shape[2] // size)).permute(2, 0, 1, 3, 4)
 
 
 def _marked(name: str, forward: bool):
@@ -176,17 +192,20 @@ def _marked(name: str, forward: bool):
 
 def _issue(parts: list[_Part], size: int, group, forward: bool) -> _InFlight:
     """Start one all-to-all of the chunk's heads of ``parts`` (sequence -> heads)."""
-    b, s = parts[0].x.shape[:2]
-    widths = [(p.heads[1] - p.heads[0]) * p.x.shape[-1] for p in parts]
+    b, s = parts[0].x.shape[1:3]
+    whole = parts[0]
     with _marked("ulysses.layout", forward):
-        send = parts[0].x.new_empty(size, b, s, sum(widths))
-        off = 0
-        for p, w in zip(parts, widths):
-            n, d = p.heads[1] - p.heads[0], p.x.shape[-1]
-            # Destination rank first: rank r gets heads r * per_rank + [a, b) of our tokens.
-            src = p.x.unflatten(2, (size, p.per_rank))[:, :, :, p.heads[0]:p.heads[1]].permute(2, 0, 1, 3, 4)
-            send[..., off:off + w].unflatten(3, (n, d)).copy_(src)
-            off += w
+        if len(parts) == 1 and whole.heads == (0, whole.x.shape[3]) and whole.x.is_contiguous():
+            send = whole.x.flatten(3)  # a part in the send layout is the send buffer
+        else:
+            widths = [(p.heads[1] - p.heads[0]) * p.x.shape[-1] for p in parts]
+            send = whole.x.new_empty(size, b, s, sum(widths))
+            off = 0
+            for p, w in zip(parts, widths):
+                # Destination rank first: rank r gets heads r * per_rank + [a, b) of our tokens.
+                send[..., off:off + w].unflatten(3, (p.heads[1] - p.heads[0], p.x.shape[-1])).copy_(
+                    p.x[:, :, :, p.heads[0]:p.heads[1]])
+                off += w
     with _marked("ulysses.all_to_all", forward):
         recv = funcol.all_to_all_single(send, None, None, group)
     return _InFlight(send, recv, tuple(parts))
@@ -196,42 +215,69 @@ def _wait(t: Tensor) -> Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _arrive(flight: _InFlight, kind: str) -> list[Tensor]:
-    """Wait for an exchange; its parts in the kernel layout (B, n, S, D) (views of the buffer when B is 1)."""
+def _waited(t: Tensor, kind: str) -> Tensor:
     timer = active_timer() if not torch.compiler.is_compiling() else None
     if timer is None:
-        recv = _wait(flight.recv)
-    else:
-        with timer.span(kind):
-            recv = _wait(flight.recv)
+        return _wait(t)
+    with timer.span(kind):
+        return _wait(t)
+
+
+def _arrive(flight: _InFlight, kind: str) -> list[tuple[Tensor, tuple | None]]:
+    """Wait for an exchange; per part ``(buffer, where)``, its kernel-layout (B, n, S, D) tensor
+    being ``_kernel_view(buffer, where)``. At batch 1 that is a view of the received buffer
+    (sequence outermost: the layout the kernels write themselves), kept as the buffer and
+    where in it: a compiled checkpoint cannot keep a view of a collective's output."""
+    recv = _waited(flight.recv, kind)
     size, b, s, _ = recv.shape
     out, off = [], 0
     for p in flight.parts:
         n, d = p.heads[1] - p.heads[0], p.x.shape[-1]
-        piece = recv[..., off:off + n * d].unflatten(3, (n, d))  # (P, B, s, n, D), source rank = sequence block
-        out.append(piece.permute(1, 3, 0, 2, 4).reshape(b, n, size * s, d))
+        if b == 1:
+            out.append((recv, (off, n, d)))
+        else:  # the sequence blocks of a row are apart: one copy, dense in the kernel layout
+            piece = recv[..., off:off + n * d].unflatten(3, (n, d))  # (P, B, s, n, D), source = sequence block
+            out.append((piece.permute(1, 3, 0, 2, 4).reshape(b, n, size * s, d), None))
         off += n * d
     return out
 
 
-def _land(dest: Tensor, x: Tensor, heads: tuple[int, int], per_rank: int, size: int, group, kind: str) -> None:
-    """Exchange ``x`` (B, n, S, D) (heads -> sequence) into ``dest``'s heads ``heads`` of
-    every rank's block (``dest``: (B, s, size * per_rank, D)), and wait for it."""
+def _kernel_view(buffer: Tensor, where: tuple | None) -> Tensor:
+    """The (1, n, S, D) kernel input at ``where = (offset, n, D)`` of a received (P, 1, s, W)
+    buffer; ``buffer`` itself when ``where`` is None."""
+    if where is None:
+        return buffer
+    off, n, d = where
+    size, _, s, _ = buffer.shape
+    return buffer[..., off:off + n * d].unflatten(3, (n, d)).view(1, size * s, n, d).transpose(1, 2)
+
+
+def _back(x: Tensor, size: int, group, kind: str) -> Tensor:
+    """Exchange a chunk's ``x`` (B, n, S, D) from heads to sequence and wait for it: the
+    received (P, B, s, n, D), source rank = head block. At batch 1 ``x`` as the kernels
+    write it (sequence outermost) is the send buffer."""
     b, n, seq, d = x.shape
     forward = kind == "forward"
     with _marked("ulysses.layout", forward):
-        send = x.unflatten(2, (size, seq // size)).permute(2, 0, 1, 3, 4).contiguous()  # (P, B, n, s, D)
+        send = x.transpose(1, 2).reshape(b, size, seq // size, n, d).transpose(0, 1).contiguous()
     with _marked("ulysses.all_to_all", forward):
         flight = funcol.all_to_all_single(send, None, None, group)
-    timer = active_timer() if not torch.compiler.is_compiling() else None
-    if timer is None:
-        recv = _wait(flight)
-    else:
-        with timer.span(kind):
-            recv = _wait(flight)
+    return _waited(flight, kind)
+
+
+def _land(dest: Tensor, recv: Tensor, heads: tuple[int, int], size: int, forward: bool) -> None:
+    """What :func:`_back` received into ``dest``'s heads ``heads`` of every rank's block
+    (``dest``: (B, s, size * per_rank, D))."""
     with _marked("ulysses.layout", forward):
-        # recv (P, B, n, s, D), source rank = head block -> our tokens, heads p * per_rank + [a, b).
-        dest.unflatten(2, (size, per_rank))[:, :, :, heads[0]:heads[1]].copy_(recv.permute(1, 3, 0, 2, 4))
+        _by_rank(dest, size)[:, :, :, heads[0]:heads[1]].copy_(recv)
+
+
+def _release(t: Tensor) -> None:
+    """Free ``t``'s memory now when it is one dense tensor of its own (an output gradient whose
+    chunk has been sent: the received gradient of q takes its place), outside compiled code."""
+    if (not torch.compiler.is_compiling() and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()):
+        t.untyped_storage().resize_(0)
 
 
 # ---------------------------------------------------------------------------
@@ -309,31 +355,52 @@ def _backward_done() -> None:
 
 @dataclass
 class _Run:
-    """What one call's chunks share: the plan, the group, the split kernel and its factory."""
+    """What one call's chunks share: the plan, the group, the split kernel and its factory, and
+    the layout (``grouped``: q, k, v handed over in the send layout, one part per chunk and per kv
+    group, and the output returned as received, one part per chunk)."""
 
     plan: tuple[Chunk, ...]
     group: object
     size: int
     pack: bool
     make_kernel: object  # (q_h, v_h) -> SplitKernel, called once per forward
+    grouped: bool = False
     kernel: object = None
 
+    def kv_part(self, c: int) -> int:
+        """Which kv part chunk ``c`` uses (grouped layout): its group's first chunk's."""
+        return sum(ch.kv_first for ch in self.plan[:c + 1]) - 1
 
-def _parts(q: Tensor, k: Tensor, v: Tensor, ch: Chunk, hq: int, hk: int) -> list[_Part]:
-    parts = [_Part(q, ch.q, hq)]
-    if ch.kv_first:
-        parts += [_Part(k, ch.kv, hk), _Part(v, ch.kv, hk)]
-    return parts
+    def split(self, tensors) -> tuple[list, list, list]:
+        if not self.grouped:
+            return [tensors[0]], [tensors[1]], [tensors[2]]
+        nq, nk = len(self.plan), sum(ch.kv_first for ch in self.plan)
+        return list(tensors[:nq]), list(tensors[nq:nq + nk]), list(tensors[nq + nk:])
+
+    def part(self, parts: list[Tensor], c: int, heads: tuple[int, int], kv: bool = False) -> _Part:
+        """Chunk ``c``'s heads of ``parts`` (its q or kv heads), as :func:`_issue` takes them."""
+        if self.grouped:
+            x = parts[self.kv_part(c) if kv else c]
+            return _Part(x, (0, x.shape[3]))
+        return _Part(_by_rank(parts[0], self.size), heads)
 
 
 def _issue_all(parts: list[_Part], run: _Run, forward: bool) -> list[_InFlight]:
-    if run.pack:
+    # Parts in the send layout go as they are, one all-to-all each, unless packing is asked for;
+    # slices of the (B, s, H, D) layout are copied anyway, so backward packs them (as it always has).
+    if run.pack or (not forward and not run.grouped):
         return [_issue(parts, run.size, run.group, forward)]
     return [_issue([p], run.size, run.group, forward) for p in parts]
 
 
-def _arrive_all(flights: list[_InFlight], kind: str) -> list[Tensor]:
+def _arrive_all(flights: list[_InFlight], kind: str) -> list[tuple[Tensor, tuple | None]]:
     return [t for f in flights for t in _arrive(f, kind)]
+
+
+def _stand_ins(buffers: list[Tensor]) -> list[Tensor]:
+    # One empty tensor per distinct buffer: q, k, v packed in one all-to-all share theirs.
+    made = {}
+    return [made.setdefault(id(t), torch.empty_like(t)) for t in buffers]
 
 
 def _dq_buffer(dout: Tensor, shape, dtype) -> Tensor:
@@ -347,107 +414,155 @@ def _dq_buffer(dout: Tensor, shape, dtype) -> Tensor:
 
 
 class _HeadChunked(torch.autograd.Function):
-    """q (B, s, P*hq, D), k (B, s, P*hk, D), v (B, s, P*hk, Dv): this rank's slice of the
-    sequence (kv heads replicated already); sinks (hq,) or None. -> (B, s, P*hq, Dv)."""
+    """(B, s, H, D) layout: q (B, s, P*hq, D), k (B, s, P*hk, D), v (B, s, P*hk, Dv), this rank's
+    slice of the sequence (kv heads replicated already) -> (B, s, P*hq, Dv). Send layout
+    (``run.grouped``): per chunk a q part (P, B, s, n, D), per kv group k and v parts
+    (P, B, s, n_kv, D / Dv) -> per chunk the received output part (P, B, s, n, Dv).
+    sinks: (hq,) or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, run: _Run):
+    def forward(ctx, run: _Run, sinks, *tensors):
         size = run.size
-        b, s, heads, _ = q.shape
-        hq, hk, dv = heads // size, k.shape[2] // size, v.shape[-1]
+        qs, ks, vs = run.split(tensors)
+        if run.grouped:
+            b, s, hq = *qs[0].shape[1:3], sum(t.shape[3] for t in qs)
+        else:
+            b, s, hq = *qs[0].shape[:2], qs[0].shape[2] // size
+        dv = vs[0].shape[-1]
         _CALLS[0] += 1
-        out = q.new_empty(b, s, heads, dv)
+        out = None if run.grouped else qs[0].new_empty(b, s, size * hq, dv)
+        outs = [None] * len(run.plan)
+
+        def parts(c: int) -> list[_Part]:
+            ch = run.plan[c]
+            found = [run.part(qs, c, ch.q)]
+            if ch.kv_first:
+                found += [run.part(ks, c, ch.kv, kv=True), run.part(vs, c, ch.kv, kv=True)]
+            return found
+
         kept_by_chunk, metas = {}, {}  # chunk -> what its backward needs: tensors, the rest
+        wheres = {}  # chunk -> where its q (k, v) lie in the buffers it keeps (_kernel_view)
         runs = sorted(_traced(run.plan))
         skipped = [c for c in range(len(run.plan)) if c not in runs]
         # Under the planner's edge trace the chunks in between stand in right after the first,
         # so that the second runs where every chunk but the last two would: see edge_chunks_only.
         order = runs[:1] + skipped + runs[1:]
-        flights = _issue_all(_parts(q, k, v, run.plan[0], hq, hk), run, True)
-        k_h = v_h = None
+        flights = _issue_all(parts(0), run, True)
+        k_h = v_h = k_buf = v_buf = None
         for i, c in enumerate(order):
             ch = run.plan[c]
             if c in skipped:
-                q_0 = kept_by_chunk[0][0]
-                kept_by_chunk[c] = [torch.empty_like(q_0), *((torch.empty_like(k_h), torch.empty_like(v_h))
-                                                             if ch.kv_first and run.kernel.keeps_kv else ()),
+                kv_kept = ch.kv_first and run.kernel.keeps_kv
+                kept_by_chunk[c] = [*_stand_ins([kept_by_chunk[0][0], *((k_buf, v_buf) if kv_kept else ())]),
                                     *run.kernel.stand_in(metas[0][1], ch.kv_first)]
                 metas[c] = (None, metas[0][1])
+                wheres[c] = wheres[0]
+                if run.grouped:
+                    outs[c] = qs[c].new_empty(*qs[c].shape[:-1], dv)
                 continue
             arrived = _arrive_all(flights, "forward")
             nxt = next((n for n in order[i + 1:] if n not in skipped), None)
             if nxt is not None:  # in flight while this chunk's kernel runs
-                flights = _issue_all(_parts(q, k, v, run.plan[nxt], hq, hk), run, True)
-            q_h = arrived[0]
+                flights = _issue_all(parts(nxt), run, True)
+            (q_buf, q_at) = arrived[0]
+            q_h = _kernel_view(q_buf, q_at)
             if ch.kv_first:
-                k_h, v_h = arrived[1:]
+                (k_buf, k_at), (v_buf, v_at) = arrived[1:]
+                k_h, v_h = _kernel_view(k_buf, k_at), _kernel_view(v_buf, v_at)
             if run.kernel is None:
                 run.kernel = run.make_kernel(q_h, v_h)
             kernel = run.kernel
             with region("attention"):
                 out_h, kept, meta = kernel.forward(q_h, k_h, v_h, None if sinks is None else sinks[ch.q[0]:ch.q[1]])
-            _land(out, out_h[..., :dv], ch.q, hq, size, run.group, "forward")
-            kept_by_chunk[c] = [q_h, *((k_h, v_h) if ch.kv_first and kernel.keeps_kv else ()), *kept]
+            back = _back(out_h[..., :dv], size, run.group, "forward")
+            if run.grouped:
+                outs[c] = back  # the o-projection's input as it arrived
+            else:
+                _land(out, back, ch.q, size, True)
+            kv_kept = ch.kv_first and kernel.keeps_kv
+            kept_by_chunk[c] = [q_buf, *((k_buf, v_buf) if kv_kept else ()), *kept]
+            wheres[c] = (q_at, *((k_at, v_at) if kv_kept else ()))
             metas[c] = (meta, list(kept))
-            del arrived, q_h, out_h, kept
+            del arrived, q_h, q_buf, out_h, kept, back
         run.kernel.forward_done()
         saved = [t for c in range(len(run.plan)) for t in kept_by_chunk[c]]
         # The output is kept in the sequence layout, which the output projection keeps anyway, and
         # exchanged again chunk by chunk in backward: no second copy of it while backward reaches here.
-        ctx.save_for_backward(*saved, *((out,) if run.kernel.keeps_out else ()),
+        results = outs if run.grouped else [out]
+        ctx.save_for_backward(*saved, *(results if run.kernel.keeps_out else ()),
                               *(() if sinks is None else (sinks,)))
         ctx.run = run
         ctx.index = [len(metas[c][1]) for c in range(len(run.plan))]
         ctx.metas = [metas[c][0] for c in range(len(run.plan))]
-        ctx.shapes = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, sinks is not None)
-        return out
+        ctx.wheres = [wheres[c] for c in range(len(run.plan))]
+        ctx.shapes = ([t.shape for t in tensors], [t.dtype for t in tensors], len(results), sinks is not None)
+        return tuple(outs) if run.grouped else out
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout):
+    def backward(ctx, *douts):
         run, kernel = ctx.run, ctx.run.kernel
-        q_shape, k_shape, v_shape, q_dtype, k_dtype, v_dtype, has_sinks = ctx.shapes
+        shapes, dtypes, n_results, has_sinks = ctx.shapes
         saved = list(ctx.saved_tensors)
         sinks = saved.pop() if has_sinks else None
-        out = saved.pop() if kernel.keeps_out else None
+        results = None
+        if kernel.keeps_out:
+            results = saved[len(saved) - n_results:]
+            del saved[len(saved) - n_results:]
         size = run.size
-        hq, hk = q_shape[2] // size, k_shape[2] // size
-        dq = _dq_buffer(dout, q_shape, q_dtype)
-        dk = dv = None
+        q_shapes, k_shapes, v_shapes = run.split(shapes)
+        q_dtypes, k_dtypes, v_dtypes = run.split(dtypes)
+        douts = list(douts)
+        if run.grouped:
+            dqs, dks, dvs = [None] * len(q_shapes), [None] * len(k_shapes), [None] * len(v_shapes)
+        else:
+            dq = _dq_buffer(douts[0], q_shapes[0], q_dtypes[0])
+            dk = dv = None
         dsinks = None if sinks is None else torch.zeros_like(sinks)
 
-        def parts(ch: Chunk) -> list[_Part]:  # the output's gradient, and the output if the kernel needs it
-            return [_Part(dout, ch.q, hq)] + ([_Part(out, ch.q, hq)] if out is not None else [])
+        def parts(c: int) -> list[_Part]:  # the output's gradient, and the output if the kernel needs it
+            ch = run.plan[c]
+            return [run.part(douts, c, ch.q)] + ([run.part(results, c, ch.q)] if results is not None else [])
 
         runs = _traced(run.plan)
         order = sorted(runs)
-        flights = [_issue(parts(run.plan[0]), size, run.group, False)]
+        flights = _issue_all(parts(order[0]), run, False)
         pos = 0
         k_h = v_h = acc_k = acc_v = None
         for c, ch in enumerate(run.plan):
             # A chunk's tensors leave the list as it runs (under activation checkpointing the list
             # holds the only reference): what is done with can go.
-            q_h, saved[pos] = saved[pos], None
+            at = ctx.wheres[c]
+            q_h, saved[pos] = _kernel_view(saved[pos], at[0]), None
             pos += 1
             if ch.kv_first and kernel.keeps_kv:
-                k_h, v_h = saved[pos:pos + 2]
+                k_h, v_h = _kernel_view(saved[pos], at[1]), _kernel_view(saved[pos + 1], at[2])
                 saved[pos:pos + 2] = [None, None]
                 pos += 2
             kept = saved[pos:pos + ctx.index[c]]
             saved[pos:pos + ctx.index[c]] = [None] * ctx.index[c]
             pos += ctx.index[c]
             if c not in runs:  # the planner's edge trace: a chunk in between
+                if run.grouped:  # stand-ins of its gradients; its output gradient's memory stands for dq's
+                    same = douts[c].shape == q_shapes[c] and douts[c].dtype == q_dtypes[c]
+                    dqs[c] = douts[c] if same else douts[c].new_empty(q_shapes[c], dtype=q_dtypes[c])
                 continue
-            dout_h, *out_h = _arrive_all(flights, "backward")
+            dout_h, *out_h = [_kernel_view(*a) for a in _arrive_all(flights, "backward")]
             out_h = out_h[0] if out_h else None
+            if run.grouped:
+                _release(douts[c])  # sent: dq's part takes its memory
             nxt = next((n for n in order if n > c), None)
             if nxt is not None:  # in flight while this chunk's backward runs
-                flights = [_issue(parts(run.plan[nxt]), size, run.group, False)]
+                flights = _issue_all(parts(nxt), run, False)
             sink_c = None if sinks is None else sinks[ch.q[0]:ch.q[1]]
             gq, gk, gv, gs = kernel.backward(dout_h, q_h, k_h, v_h, out_h, kept, ctx.metas[c], sink_c)
             del dout_h, q_h, out_h, kept
-            _land(dq, gq, ch.q, hq, size, run.group, "backward")
-            del gq
+            back = _back(gq, size, run.group, "backward")
+            if run.grouped:
+                dqs[c] = back
+            else:
+                _land(dq, back, ch.q, size, False)
+            del gq, back
             if ch.kv_first or acc_k is None:
                 acc_k, acc_v = gk, gv
             else:
@@ -455,29 +570,46 @@ class _HeadChunked(torch.autograd.Function):
                 acc_v.add_(gv)
             del gk, gv
             if ch.kv_last:
-                if dk is None:
-                    dk, dv = dout.new_empty(k_shape, dtype=k_dtype), dout.new_empty(v_shape, dtype=v_dtype)
-                _land(dk, acc_k, ch.kv, hk, size, run.group, "backward")
-                _land(dv, acc_v, ch.kv, hk, size, run.group, "backward")
-                acc_k = acc_v = k_h = v_h = None
+                back_k = _back(acc_k, size, run.group, "backward")
+                back_v = _back(acc_v, size, run.group, "backward")
+                if run.grouped:
+                    g = run.kv_part(c)
+                    dks[g], dvs[g] = back_k, back_v
+                else:
+                    if dk is None:
+                        dk = douts[0].new_empty(k_shapes[0], dtype=k_dtypes[0])
+                        dv = douts[0].new_empty(v_shapes[0], dtype=v_dtypes[0])
+                    _land(dk, back_k, ch.kv, size, False)
+                    _land(dv, back_v, ch.kv, size, False)
+                acc_k = acc_v = k_h = v_h = back_k = back_v = None
             if dsinks is not None and gs is not None:
                 dsinks[ch.q[0]:ch.q[1]] = gs
-        ctx.run = ctx.metas = None
+        ctx.run = ctx.metas = ctx.wheres = None
         _backward_done()
-        return dq, dk, dv, dsinks, None
+        if run.grouped:  # kv groups the edge trace skipped: stand-ins
+            dks = [t if t is not None else douts[0].new_empty(s, dtype=d) for t, s, d in zip(dks, k_shapes, k_dtypes)]
+            dvs = [t if t is not None else douts[0].new_empty(s, dtype=d) for t, s, d in zip(dvs, v_shapes, v_dtypes)]
+            grads = [*dqs, *dks, *dvs]
+        else:
+            grads = [dq, dk, dv]
+        return None, dsinks, *grads
 
 
-def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, mesh, chunks: int, make_kernel,
-                           *, pack: bool = False) -> Tensor:
-    """Ulysses attention of this rank's sequence slice, ``chunks`` head chunks at a time.
+def head_chunked_attention(q, k, v, sinks: Tensor | None, mesh, chunks, make_kernel, *, pack: bool = False):
+    """Ulysses attention of this rank's sequence slice, chunk by chunk over its heads.
 
     q (B, s, P*hq, D), k (B, s, P*hk, D), v (B, s, P*hk, Dv): local tensors on the
-    1-D ``mesh`` of P ranks, kv heads already replicated to a multiple of P; sinks:
+    1-D ``mesh`` of P ranks, kv heads already replicated to a multiple of P; ``chunks``
+    a count. Or, in the send layout, lists: per chunk of the plan ``chunks`` a q part
+    (P, B, s, n, D), per kv group of it k and v parts (P, B, s, n_kv, D / Dv). sinks:
     this rank's (hq,) or None. ``make_kernel(q_h, v_h)``: the
     :class:`~.head_chunk_kernels.SplitKernel` of the call, from a chunk's tensors.
-    ``pack``: one all-to-all per chunk for q with its k/v. Returns (B, s, P*hq, Dv).
+    ``pack``: one all-to-all per chunk for q with its k/v. Returns (B, s, P*hq, Dv), or per
+    chunk the received output part (P, B, s, n, Dv).
     """
     size = mesh.size()
-    hq, hk = q.shape[2] // size, k.shape[2] // size
-    run = _Run(chunk_plan(chunks, hq, hk), mesh.get_group(), size, pack, make_kernel)
-    return _HeadChunked.apply(q, k, v, sinks, run)
+    if isinstance(q, Tensor):
+        plan = chunk_plan(chunks, q.shape[2] // size, k.shape[2] // size)
+        return _HeadChunked.apply(_Run(plan, mesh.get_group(), size, pack, make_kernel), sinks, q, k, v)
+    run = _Run(tuple(chunks), mesh.get_group(), size, pack, make_kernel, grouped=True)
+    return list(_HeadChunked.apply(run, sinks, *q, *k, *v))

@@ -89,6 +89,7 @@ class NonFiniteStep:
     loss_ranks: list[int] = field(default_factory=list)  # ranks whose own loss share was not finite
     grads: dict[int, list[str]] = field(default_factory=dict)  # rank -> trained parameters with non-finite gradients
     weights: dict[int, list[str]] = field(default_factory=dict)  # rank -> parameters with non-finite weights
+    float8: str = ""  # the model's FP8 layers, when on: an FP8 cast of an inf / NaN gives a non-finite scale
 
     def cause(self) -> str:
         """Where it showed: the loss (on which ranks; the gradients follow from it), else the
@@ -103,6 +104,9 @@ class NonFiniteStep:
             parts.append(f"gradient norm {self.grad_norm:g}")
         if self.weights:
             parts.append(f"weights not finite on {self._where(self.weights)}: an earlier update made them so")
+        if self.float8:
+            parts.append(f"FP8 was on ({self.float8}): a non-finite amax gives a non-finite scale, and overflow "
+                         f"past the FP8 range starts there")
         return "; ".join(parts)
 
     def _where(self, names: dict[int, list[str]]) -> str:
@@ -159,6 +163,7 @@ class NonFiniteGuard:
             loss_ranks=[r for r in range(flags.shape[0]) if flags[r, 0]],
             grads={r: s["grads"] for r, s in enumerate(seen) if s["grads"]},
             weights={r: s["weights"] for r, s in enumerate(seen) if s["weights"]},
+            float8=_float8_words(model),
         )
         self.streak.append(verdict)
         self.skipped_total += 1
@@ -187,6 +192,12 @@ class NonFiniteGuard:
             f"training stopped at step {last.step}: {n} step{'s' if n > 1 else ''} in a row with a non-finite loss "
             f"or gradient norm ({steps}; {self.setting}={self.max_steps} {allowed}); no update of "
             f"{'that step' if n == 1 else 'those steps'} was applied. {where} {last_checkpoint}")
+
+
+def _float8_words(model: nn.Module) -> str:
+    report = getattr(model, "float8_report", None)
+    return f"float8 {report.recipe}, {report.converted} linear layers" if report is not None and report.converted \
+        else ""
 
 
 def check_finite_state(model: nn.Module, optimizer, *, what: str) -> None:

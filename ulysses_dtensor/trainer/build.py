@@ -96,6 +96,7 @@ def build_model(
     from ..models.llama import Llama
     from ..models.llama_parallelize import parallelize_llama
     from .hf_model import build_transformers_model, uses_transformers
+    from .float8_config import float8_options
     from .memory_config import memory_options
 
     shape = args or model_args(cfg, vocab_size)
@@ -118,6 +119,7 @@ def build_model(
         param_dtype=_DTYPES[cfg.training.mixed_precision_param],
         reduce_dtype=_DTYPES[cfg.training.mixed_precision_reduce],
         pack_qkv=cfg.training.pack_qkv,
+        float8=float8_options(cfg),
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if cfg.memory.offload_params else device)

@@ -3,12 +3,15 @@
 * :func:`check_values`: ranges, and settings that cannot take effect
   (:mod:`.config_effects`);
 * :func:`validate_config`: the config against the world size, the model and the
-  data files.
+  data files;
+* :func:`check_offload_dir`: ``memory.offload_dir`` usable and roomy enough (the trainer
+  calls it before step 1; not the planner, which touches no disk).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from ..data import (
@@ -26,7 +29,8 @@ from .hf_start import check_hf_weights, tokenizer_spec
 from .mesh_fit import check_local_batch, fit_to_world
 from .model_shape import model_args
 
-__all__ = ["check_values", "validate_config", "model_args", "check_eval_data", "WANDB_MISSING_MSG"]
+__all__ = ["check_values", "validate_config", "model_args", "check_eval_data", "check_offload_dir",
+           "WANDB_MISSING_MSG"]
 
 WANDB_MISSING_MSG = ("metrics.enable_wandb=true needs the 'wandb' package, which is not installed: "
                      "pip install 'ulysses-dtensor[wandb]' (or pip install wandb), or set metrics.enable_wandb=false")
@@ -180,6 +184,7 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
         dims = ParallelDims(par.dp_replicate, par.dp_shard, par.sp, world_size=world_size, ring=par.ring, tp=par.tp)
     except ValueError as e:
         raise ConfigError(f"parallelism: {e}") from None
+    _check_float8(cfg, dims)
 
     schedule = cfg.context_schedule()
     try:
@@ -245,6 +250,21 @@ def validate_config(cfg: JobConfig, world_size: int, *, weights: bool = True):
         with torch.device("meta"):
             check_lora_model(cfg, Llama(args), native=True)
     return dims
+
+
+def _check_float8(cfg: JobConfig, dims) -> None:
+    """[float8]: its options, torchao present, no tensor parallelism (the device is checked at build)."""
+    if not cfg.float8.enable:
+        return
+    from ..precision.float8 import FLOAT8_EXTRA_MSG
+    from .float8_config import float8_options
+
+    float8_options(cfg)  # the recipe and its options (ConfigError)
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"float8.enable=true: {FLOAT8_EXTRA_MSG}")
+    if dims.tp > 1:
+        raise ConfigError(f"float8.enable=true with parallelism.tp={dims.tp}: FP8 linear layers are not combined "
+                          f"with tensor parallelism here; use sp (and dp) instead, or float8.enable=false")
 
 
 def _check_ring(cfg: JobConfig, schedule, dims) -> None:
@@ -382,3 +402,25 @@ def check_eval_data(cfg: JobConfig) -> None:
                 f"eval.data_path={ev.data_path!r} is data.path itself: training reads every one of "
                 f"its documents; give other files, or eval.holdout_fraction to split data.path"
             )
+
+
+def check_offload_dir(cfg: JobConfig, dims, vocab_size: int) -> None:
+    """With ``memory.offload_dir``: refuse (ConfigError, one message naming the key, the bytes
+    needed and the bytes free) a directory that is missing, not one, where no file can be
+    made, or without room for the offloaded activations of every rank of this node at the
+    longest stage (:func:`~.memory_banner.offload_disk_plan`). Makes and drops one unlinked
+    file there."""
+    mem = cfg.memory
+    if not (mem.offload_activations and mem.offload_dir):
+        return
+    from ..memory.offload_dir import OffloadDirError
+    from ..memory.offload_dir import check_offload_dir as check_directory
+    from .memory_banner import offload_disk_plan
+
+    _, per_rank = offload_disk_plan(cfg, model_args(cfg, vocab_size), cfg.context_schedule(), dims)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks of this node share the directory
+    try:
+        check_directory(mem.offload_dir, per_rank * ranks, key="memory.offload_dir")
+    except OffloadDirError as e:
+        share = f" ({per_rank:,} bytes per rank x {ranks} ranks on this node)" if ranks > 1 else ""
+        raise ConfigError(f"{e}{share}") from None

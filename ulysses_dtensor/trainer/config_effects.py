@@ -69,6 +69,8 @@ EFFECT_RULES: list[EffectRule] = [
                "it is used with memory.tiled_loss=true"),
     EffectRule("memory.offload_dir", ("memory.offload_activations",), lambda c: c.memory.offload_activations,
                "the disk tier holds the offloaded layer inputs: it is used with memory.offload_activations=true"),
+    *(EffectRule(f"float8.{k}", ("float8.enable",), lambda c: c.float8.enable, "it is used with float8.enable=true")
+      for k in ("recipe_name", "filter_fqns", "emulate", "enable_fsdp_float8_all_gather")),
     *(EffectRule(f"checkpoint.{k}", ("checkpoint.enable",), lambda c: c.checkpoint.enable,
                  "it is used with checkpoint.enable=true")
       for k in ("folder", "interval", "keep_latest_k")),

@@ -236,6 +236,22 @@ class Memory:
 
 
 @dataclass
+class Float8:
+    enable: bool = _f(False, "FP8 linear layers (torchao's float8 training, the 'float8' extra): the blocks' matmuls "
+                             "in float8 with dynamic scales, the weights in their own precision")
+    recipe_name: str = _f("rowwise", "rowwise: a scale per token (what SP needs nothing for); rowwise_with_gw_hp: the "
+                                     "weight gradient in high precision; tensorwise: one scale per tensor, its amax "
+                                     "reduced over the sp ranks", ("rowwise", "rowwise_with_gw_hp", "tensorwise"))
+    filter_fqns: list[str] = _f(["output", "lm_head", "gate", "router"],
+                                "modules left in high precision: a dotted part of their name (output head, MoE routers "
+                                "by default) or a name prefix")
+    emulate: bool = _f(False, "emulate FP8 matmuls (any device, CPU included): for tests only")
+    enable_fsdp_float8_all_gather: bool = _f(
+        False, "FSDP2 all-gathers the weights in FP8 (half the bf16 bytes; scales computed once per step); "
+        "recipe_name='tensorwise' only")
+
+
+@dataclass
 class Lora:
     rank: int = _f(0, "LoRA adapters of this rank on target_modules, the base weights frozen (peft's LoRA "
                       "layers; needs model.hf_path; 0: train every weight)")
@@ -297,6 +313,7 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     memory: Memory = field(default_factory=Memory)
+    float8: Float8 = field(default_factory=Float8)
     lora: Lora = field(default_factory=Lora)
     metrics: Metrics = field(default_factory=Metrics)
     eval: Eval = field(default_factory=Eval)

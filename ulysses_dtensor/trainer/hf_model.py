@@ -223,6 +223,7 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
         weight_conversions,
     )
     from .lora_setup import apply_lora, uses_lora
+    from .float8_config import float8_options
     from .memory_config import memory_options
 
     model = _meta_model(_hf_config(cfg), n_layers)
@@ -242,6 +243,7 @@ def build_transformers_model(cfg, pmesh, device: torch.device, *, init_weights: 
         attn_backend=cfg.model.attn_backend,
         pack_qkv=tr.pack_qkv,
         allow_untested=cfg.model.allow_untested,
+        float8=float8_options(cfg),
     )
     # Host-offloaded parameter shards live in host memory from the start.
     model.to_empty(device="cpu" if mem.offload_params else device)

@@ -19,6 +19,7 @@ import contextlib
 import sys
 
 from ..data import DataError
+from ..memory.offload_dir import OffloadDirError
 from .checkpoint import CheckpointError
 from .config_schema import ConfigError
 from ..runtime.lost_peer import PeerLostError
@@ -37,6 +38,8 @@ def exit_on_known_error():
         _stop("data error", e)
     except CheckpointError as e:  # every rank learnt every rank's verdict
         _stop("checkpoint error", e)
+    except OffloadDirError as e:  # memory.offload_dir filled during the run: the last checkpoint stands
+        _stop("disk error", e)
     except NonFiniteError as e:
         # Every rank stopped at the same step with the same message. Status 3: the run
         # diverged; a restart from the named checkpoint needs a changed config first.

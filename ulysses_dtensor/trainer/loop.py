@@ -49,6 +49,7 @@ from .config import (
     inactive_settings,
     validate_config,
 )
+from .config_checks import check_offload_dir
 from .data_setup import build_training_data
 from .eval_setup import PeriodicEval, check_eval_setup
 from .fault_injection import inject_test_fault
@@ -86,6 +87,7 @@ def train(cfg: JobConfig) -> list[dict]:
     dims = validate_config(cfg, world)
     tokenizer = build_tokenizer(tokenizer_spec(cfg))
     vocab_size = resolve_vocab_size(cfg, tokenizer.vocab_size)
+    check_offload_dir(cfg, dims, vocab_size)  # memory.offload_dir: usable, with room for a step
     data = build_training_data(cfg)  # data.path or data.sources; held-out documents of [eval]
     held_out = data.held_out
     if cfg.eval.interval:
@@ -154,6 +156,9 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
     # A resumed run takes its weights from the checkpoint: no init, no HF load. With LoRA
     # the checkpoint holds the adapters only: the base is read from model.hf_path again.
     model = build_model(cfg, pmesh, vocab_size, device, init_weights=latest is None or uses_lora(cfg))
+    disk = getattr(getattr(model, "offloader", None), "disk", None)
+    if disk is not None:
+        disk.key = "memory.offload_dir"  # a disk that fills mid-run is named by the config key
     optimizer = build_optimizer(cfg, model)
     info = model_info(cfg, model.args)
     # Each stage's rope (checked in validate_config); None: a transformers family whose
@@ -212,6 +217,7 @@ def _run(cfg, dims, device, tokenizer, vocab_size, data, schedule, lr_schedule, 
         f"  {_memory_banner(cfg, vocab_size, schedule, dims, device)}\n"
         + _family_banner(model) + _mixer_banner(model, device, cfg) +
         f"{_lora_banner(cfg, model, trained, n_params)}"
+        + (f"  {model.float8_report.describe()}\n" if getattr(model, "float8_report", None) is not None else "") +
         f"  {data.banner(schedule, loader.source_tokens())}\n  {data.packing_banner()}\n  {data.loading_banner()}\n"
         f"{rope_banner(schedule, ropes) if ropes else '  rope: config.json of model.hf_path, every stage'}\n"
         f"  steps {start_step + 1}..{cfg.training.steps}, dump folder {cfg.dump_folder}\n"
@@ -414,7 +420,8 @@ def _checkpointing_banner(cfg: JobConfig) -> str:
             if ac.save_attention else "")
     moved = ""
     if mem.offload_activations:
-        moved = "; layer inputs" + (" and kept attention outputs" if ac.save_attention else "") + " offloaded to host"
+        moved = ("; layer inputs" + (" and kept attention outputs" if ac.save_attention else "")
+                 + (" offloaded to disk" if mem.offload_dir else " offloaded to host"))
     return f"activation checkpointing full{kept}{moved}"
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..precision.float8 import precompute_fp8_weight_scales
 from ..runtime.nonfinite import NonFiniteGuard, inject_nonfinite_grad, inject_nonfinite_loss
 from ..runtime.regions import region
 
@@ -137,6 +138,7 @@ def train_step(
     with region("step.optimizer"):
         if guard is None or guard.check(step, loss_sum, grad_norm, model) is None:
             optimizer.step()
+            precompute_fp8_weight_scales(model)  # FP8 all-gathers: next step's weight scales, one all-reduce
         phase("zero_grad")
         optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum, grad_norm)

@@ -36,8 +36,10 @@ from ulysses_dtensor.attention import check_backend
 from ulysses_dtensor.memory.offload import OffloadedCheckpointBlock, make_offloader
 from ulysses_dtensor.memory.saved_attention import attention_keeping
 from ulysses_dtensor.memory.options import MemoryOptions
+from ulysses_dtensor.precision.float8 import Float8Options
 from ulysses_dtensor.models.llama_parallelize import (
     _check_compile_backend,
+    apply_float8,
     checkpoint_block,
     needs_rng_replay,
     shard_model,
@@ -125,6 +127,7 @@ def parallelize_hf_model(
     attn_backend: str = "auto",
     pack_qkv: bool = False,
     allow_untested: bool = False,
+    float8: Float8Options | None = None,
     **switches,
 ) -> nn.Module:
     """Apply Ulysses SP, activation checkpointing, compile and FSDP2 to ``model`` in place.
@@ -157,6 +160,9 @@ def parallelize_hf_model(
             ``"sdpa"``, ``"flash_attn"``, ``"varlen"``, ``"flex"``. Sliding
             windows, soft-capping and sinks pass through to it (``auto`` picks a
             kernel that has them; a named one that has not is refused).
+        float8: FP8 linear layers (:class:`~ulysses_dtensor.precision.float8.Float8Options`), converted
+            before anything else; the output head and MoE routers stay in high precision by default, and
+            fused MoE experts are refused by name unless filtered.
         allow_untested: skip the family check. By default a family must pass the
             family matrix for the installed transformers (:mod:`~ulysses_dtensor.integrations.hf.matrix.results`; a family
             it refused is refused with its reason), or, when the matrix has not measured
@@ -208,6 +214,8 @@ def parallelize_hf_model(
         status = verify_at_start(model, pmesh, status.model_type, status.detail,
                                  parallelize=parallelize_hf_model, attn_backend=attn_backend, pack_qkv=pack_qkv)
     model.family_status = status  # what the trainer's banner shows
+
+    apply_float8(model, float8, pmesh, tp)  # first: the FP8 layers are what the rest wraps and shards
 
     # 1. Ulysses: transformers' attention dispatch -> our exchange + local attention.
     register_ulysses_attention()

@@ -30,6 +30,7 @@ import torch
 
 from ulysses_dtensor.attention.select import BACKENDS
 from ulysses_dtensor.memory.options import MemoryOptions
+from ulysses_dtensor.precision.float8 import Float8Options
 
 from .refusals import UlyssesTrainerError
 
@@ -78,6 +79,18 @@ class UlyssesArguments:
     save_attention: bool = field(default=False, metadata={
         "help": "With full activation checkpointing, keep each layer's attention kernel outputs from forward "
                 "instead of recomputing the attention (offloaded with the layer input under offload_activations)."})
+    float8: bool = field(default=False, metadata={
+        "help": "FP8 linear layers (torchao's float8 training; pip install 'ulysses-dtensor[float8]'): the decoder "
+                "layers' matmuls in float8 with dynamic scales; needs a GPU of compute capability 8.9+ or "
+                "float8_emulate."})
+    float8_recipe: str = field(default="rowwise", metadata={
+        "help": "rowwise (a scale per token), rowwise_with_gw_hp (weight gradient in high precision), or tensorwise "
+                "(one scale per tensor, its amax reduced over the sp ranks)."})
+    float8_filter_fqns: str = field(default="output,lm_head,gate,router", metadata={
+        "help": "Comma-separated module names left in high precision (a dotted part of the name, or a prefix)."})
+    float8_emulate: bool = field(default=False, metadata={"help": "Emulate FP8 matmuls on any device: tests only."})
+    float8_fsdp_all_gather: bool = field(default=False, metadata={
+        "help": "FSDP2 all-gathers the weights in FP8 (tensorwise only)."})
     check_batches: bool = field(default=True, metadata={
         "help": "Check, at every batch, that the sp ranks of a group received the same batch (a few integers "
                 "exchanged): a dataset or collator that differs per rank would otherwise train on a mix."})
@@ -112,10 +125,24 @@ class UlyssesArguments:
                                              or self.head_chunks < 0):
             raise UlyssesTrainerError(f"UlyssesArguments.head_chunks={self.head_chunks!r} must be >= 1, or 0 / None "
                                       "for a count from the shapes")
+        float8_options(self)  # the FP8 switches' own rules, at construction
         if self.loss_chunks is not None and (isinstance(self.loss_chunks, bool) or self.loss_chunks < 0):
             raise UlyssesTrainerError(
                 f"UlyssesArguments.loss_chunks={self.loss_chunks!r} must be >= 1, or 0 / None for a "
                 "count from the shapes")
+
+
+def float8_options(ulysses: UlyssesArguments) -> Float8Options | None:
+    """The FP8 switches of ``ulysses`` (None: off); a bad combination is a UlyssesTrainerError."""
+    if not ulysses.float8:
+        return None
+    try:
+        return Float8Options(enable=True, recipe_name=ulysses.float8_recipe,
+                             filter_fqns=tuple(f.strip() for f in ulysses.float8_filter_fqns.split(",") if f.strip()),
+                             emulate=ulysses.float8_emulate,
+                             enable_fsdp_float8_all_gather=ulysses.float8_fsdp_all_gather)
+    except ValueError as e:
+        raise UlyssesTrainerError(f"UlyssesArguments: {e}") from None
 
 
 def _refusal(args, name: str, value: Any, why: str) -> str:
@@ -225,4 +252,5 @@ def parallelize_options(args, ulysses: UlyssesArguments, *, mixed_precision: str
         attn_backend=ulysses.attn_backend,
         pack_qkv=ulysses.pack_qkv,
         allow_untested=ulysses.allow_untested,
+        float8=float8_options(ulysses),
     )
