@@ -566,6 +566,15 @@ def test_training_arguments_translate_to_the_parallelize_options():
     offload = parallelize_options(_training_args(activation_checkpointing_kwargs={"offload": True}),
                                   UlyssesArguments())
     assert (offload["memory"].ac_mode, offload["memory"].offload_activations) == ("full", True)
+    assert plain["float8"] is None
+    fp8 = parallelize_options(_training_args(), UlyssesArguments(float8=True, float8_recipe="tensorwise",
+                                                                 float8_filter_fqns="lm_head, gate",
+                                                                 float8_emulate=True, float8_fsdp_all_gather=True))
+    assert (fp8["float8"].recipe_name, fp8["float8"].filter_fqns, fp8["float8"].emulate,
+            fp8["float8"].enable_fsdp_float8_all_gather) == ("tensorwise", ("lm_head", "gate"), True, True)
+    with pytest.raises(ValueError, match="UlyssesArguments: float8 enable_fsdp_float8_all_gather=true needs "
+                                         "recipe_name='tensorwise'"):
+        UlyssesArguments(float8=True, float8_fsdp_all_gather=True)
     for bad, match in [(dict(sp_size=0), "sp_size=0"), (dict(sp_size=4, ring_size=3), "ring_size=3 must divide"),
                        (dict(attn_backend="flash"), "attn_backend='flash'"), (dict(dp_shard_size=0), "dp_shard_size")]:
         with pytest.raises(ValueError, match=match):
