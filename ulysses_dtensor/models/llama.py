@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..attention import LocalAttention, check_backend
 from ..memory.tiling import auto_num_tiles, tiled_forward, tiled_sp_cross_entropy
@@ -209,6 +210,10 @@ class Attention(nn.Module):
     """
 
     grouped_qkv = True
+    # Set by parallelize_llama under full activation checkpointing: the q / k norms (Qwen3)
+    # keep the block's normed input, not their own (the projections' outputs, 1.25 x a
+    # hidden-wide tensor under GQA), and their backward recomputes the projections from it.
+    recompute_qk_norm_inputs = False
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -242,11 +247,11 @@ class Attention(nn.Module):
             return self._grouped_forward(layout, x, cos, sin, document_ids)
         b, s, _ = x.shape
         with region("proj.qkv"):
-            q = self.wq(x).view(b, s, -1, self.head_dim)
-            k = self.wk(x).view(b, s, -1, self.head_dim)
+            if self._recompute_qk(plain_linear(self.wq) and plain_linear(self.wk)):
+                q, k = checkpoint(self._normed_qk, x, use_reentrant=False, preserve_rng_state=False)
+            else:
+                q, k = self._normed_qk(x)
             v = self.wv(x).view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         with region("rope"):
             q = apply_rope(q, cos, sin, self.rope_layout)
             k = apply_rope(k, cos, sin, self.rope_layout)
@@ -258,17 +263,39 @@ class Attention(nn.Module):
         # The same steps on the send layout: per destination rank (and head chunk) blocks.
         d = self.head_dim
         with region("proj.qkv"):
-            q = project_to_send(x, self.wq, layout.ranks, layout.q_slabs, d)
-            k = project_to_send(x, self.wk, layout.kv_groups, layout.kv_slabs, d)
+            if self._recompute_qk(True):
+                q, k = checkpoint(self._grouped_normed_qk, x, layout, use_reentrant=False, preserve_rng_state=False)
+            else:
+                q, k = self._grouped_normed_qk(x, layout)
             v = project_to_send(x, self.wv, layout.kv_groups, layout.kv_slabs, d)
-        if self.q_norm is not None:
-            q, k = [self.q_norm(t) for t in q], [self.k_norm(t) for t in k]
         with region("rope"):
             q = [apply_rope(t, cos, sin, self.rope_layout) for t in q]
             k = [apply_rope(t, cos, sin, self.rope_layout) for t in k]
         out = grouped_attention(self.inner, layout, q, k, v, document_ids=document_ids)
         with region("proj.o"):
             return project_from_received(out, self.wo, layout.q_slabs)
+
+
+    def _recompute_qk(self, plain: bool) -> bool:
+        # Plain projections only (no dropout to replay); compiled blocks leave it to inductor.
+        return (self.recompute_qk_norm_inputs and self.q_norm is not None and plain and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling())
+
+    def _normed_qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
+
+    def _grouped_normed_qk(self, x: Tensor, layout) -> tuple[list[Tensor], list[Tensor]]:
+        d = self.head_dim
+        q = project_to_send(x, self.wq, layout.ranks, layout.q_slabs, d)
+        k = project_to_send(x, self.wk, layout.kv_groups, layout.kv_slabs, d)
+        if self.q_norm is not None:
+            q, k = [self.q_norm(t) for t in q], [self.k_norm(t) for t in k]
+        return q, k
 
 
 class FeedForward(nn.Module):
