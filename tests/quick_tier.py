@@ -159,6 +159,7 @@ TESTS = {
     "test_estimate_speed.py": ["test_cli_states_the_precision_and_the_binding_ceiling"],
     "test_estimate_disk.py": ["test_modelled_disk_seconds_are_bytes_over_bandwidth_and_exposed_past_compute"],
     "test_estimate_float8.py": ["test_a_gpu_without_fp8_is_refused_by_name"],
+    "test_qk_norm_recompute.py": ["test_the_norms_keep_the_normed_input_not_the_projections"],
     "test_evaluation.py": [
         "test_held_out_split_never_read_by_training",
         "test_generators_exact_position_length_determinism",
