@@ -59,7 +59,7 @@ class Variant:
 
 
 # At the kit's GPU shapes `auto` runs head chunks (one query head per chunk: the exchanged
-# working set passes parallel/head_chunks.AUTO_MIN_BYTES), so the variant that prices them is
+# working set passes parallel/head_chunk_plan.AUTO_MIN_BYTES), so the variant that prices them is
 # the same kernel with none. Where the shape's default runs none it would repeat `auto`.
 NO_HEAD_CHUNKS = Variant("auto", argv=("--head-chunks", "1"), label="no head chunks")
 

@@ -17,7 +17,7 @@ import _common as C
 import torch
 
 from ulysses_dtensor.models.llama import Llama, llama_args
-from ulysses_dtensor.parallel.head_chunks import resolve_head_chunks
+from ulysses_dtensor.parallel.head_chunk_plan import resolve_head_chunks
 from ulysses_dtensor.parallel.ulysses import exchange_bytes_per_rank, kv_replication
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

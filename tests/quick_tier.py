@@ -159,7 +159,10 @@ TESTS = {
     "test_estimate_speed.py": ["test_cli_states_the_precision_and_the_binding_ceiling"],
     "test_estimate_disk.py": ["test_modelled_disk_seconds_are_bytes_over_bandwidth_and_exposed_past_compute"],
     "test_estimate_float8.py": ["test_a_gpu_without_fp8_is_refused_by_name"],
-    "test_qk_norm_recompute.py": ["test_the_norms_keep_the_normed_input_not_the_projections"],
+    "test_qk_norm_recompute.py": [  # one 2-rank launch: the send layout and head chunks run
+        "test_the_norms_keep_the_normed_input_not_the_projections",
+        "test_recomputed_norm_inputs_change_no_number",
+    ],
     "test_evaluation.py": [
         "test_held_out_split_never_read_by_training",
         "test_generators_exact_position_length_determinism",
@@ -199,6 +202,9 @@ TESTS = {
 # Modules no file of the tier imports by name (tests/test_quick_tier.py finds those that
 # are), and the quick test that runs them.
 THROUGH = {
+    # The exchange in the send layout and head chunks, on sp 2 (our Llama's q/k/v projections).
+    "ulysses_dtensor.parallel.grouped_exchange": "test_qk_norm_recompute.py::test_recomputed_norm_inputs_change_no_number",
+    "ulysses_dtensor.parallel.head_chunks": "test_qk_norm_recompute.py::test_recomputed_norm_inputs_change_no_number",
     # "auto" sizes fitted to the world: every world size from 1 to 8, and the refusals.
     "ulysses_dtensor.trainer.mesh_fit": "test_config.py::test_default_config_fits_every_world",
     # One ring block's steps, forward and backward: what every ring test runs.

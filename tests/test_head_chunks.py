@@ -33,13 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ulysses_dtensor.attention import AttentionCall, LocalAttention, local_attention
 from ulysses_dtensor.parallel.head_chunk_kernels import PairSplit, RecomputeSplit, split_kernel
-from ulysses_dtensor.parallel.head_chunks import (
-    AUTO_MIN_BYTES,
-    Chunk,
-    auto_head_chunks,
-    chunk_plan,
-    valid_head_chunks,
-)
+from ulysses_dtensor.parallel.head_chunk_plan import AUTO_MIN_BYTES, Chunk, auto_head_chunks, chunk_plan, valid_head_chunks
 from ulysses_dtensor.parallel.mesh import ParallelDims
 from ulysses_dtensor.parallel.ulysses import UlyssesAttention, describe_head_chunks
 

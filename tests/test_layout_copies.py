@@ -30,16 +30,15 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ulysses_dtensor.attention import LocalAttention
-from ulysses_dtensor.parallel.head_chunks import valid_head_chunks
+from ulysses_dtensor.parallel.head_chunk_plan import valid_head_chunks
 from ulysses_dtensor.parallel.mesh import ParallelDims
-from ulysses_dtensor.parallel.ulysses import (
-    UlyssesAttention,
+from ulysses_dtensor.parallel.grouped_exchange import (
     grouped_attention,
-    kv_replication,
     project_from_received,
     project_to_send,
     send_layout,
 )
+from ulysses_dtensor.parallel.ulysses import UlyssesAttention, kv_replication
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-6

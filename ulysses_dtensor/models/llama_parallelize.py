@@ -61,7 +61,7 @@ from ..parallel.mesh import ParallelMesh
 from ..precision.float8 import Float8Options, convert_to_float8
 from ..parallel.ring import RingAttention
 from ..parallel.tensor_parallel import LLAMA_TP_PLAN, check_tp_heads, tensor_parallelize
-from ..parallel.head_chunks import recomputes_in_chunks
+from ..parallel.head_chunk_plan import recomputes_in_chunks
 from ..parallel.ulysses import UlyssesAttention, check_chunks_for_heads, kv_replication
 from ..runtime.suggest import unknown_name
 

@@ -21,7 +21,7 @@ gradients are alive at a time:
   gradient is dead once sent): no second full-size gradient. dk/dv of a kv head
   shared by several chunks are summed over them and sent back once.
 
-In the send layout (:func:`~.ulysses.grouped_attention`: our Llama's projections write
+In the send layout (:func:`~.grouped_exchange.grouped_attention`: our Llama's projections write
 it), q arrives as one part per chunk and k, v as one per kv group, each its chunk's send
 buffer; the received buffers are the kernel's inputs (views at batch 1, sequence
 outermost: the layout the kernels write); the output's received buffer is the chunk's
@@ -36,7 +36,7 @@ Chunks follow the kv groups (GQA). With ``hk`` kv heads per rank, ``C`` divides
 split over ``C / hk`` chunks; its k/v exchanged once, when its first chunk
 starts, and their gradients sent back once). Llama-3-8B on sp 8 holds 4 query
 heads and 1 kv head per rank: 1, 2 or 4 chunks, k/v exchanged once.
-:func:`valid_head_chunks` lists the counts.
+:func:`~.head_chunk_plan.valid_head_chunks` lists the counts.
 
 Overlap: chunk c+1's exchange is issued (an asynchronous functional
 all-to-all) before chunk c's kernel runs and waited after it, in forward (its
@@ -45,10 +45,10 @@ outputs' exchanges are waited right after their kernel: at millions of tokens a
 chunk's kernel takes seconds and its exchange milliseconds, and an output in
 flight would hold two more chunk-size buffers at the peak.
 
-``head_chunks=None`` (:func:`auto_head_chunks`) chooses one query head per
+``head_chunks=None`` (:func:`~.head_chunk_plan.auto_head_chunks`) chooses one query head per
 chunk when one layer's exchanged attention tensors (q, k, v, the output and
 their gradients, for the rank's heads over the whole sequence) would exceed
-:data:`AUTO_MIN_BYTES`, and no chunks below: chunks shrink what binds at long
+:data:`~.head_chunk_plan.AUTO_MIN_BYTES`, and no chunks below: chunks shrink what binds at long
 context, and at short lengths would only add kernel launches and collectives.
 """
 
@@ -65,101 +65,9 @@ from torch.autograd.function import once_differentiable
 
 from ..runtime.regions import region
 from .comm_timing import active_timer
-from .mesh import divisors
+from .head_chunk_plan import Chunk, chunk_plan
 
-__all__ = [
-    "AUTO_MIN_BYTES",
-    "Chunk",
-    "after_chunked_backward",
-    "chunked_calls",
-    "auto_head_chunks",
-    "check_head_chunks",
-    "edge_chunks_only",
-    "edges_only",
-    "chunk_plan",
-    "recomputes_in_chunks",
-    "head_chunked_attention",
-    "resolve_head_chunks",
-    "valid_head_chunks",
-]
-
-# Auto chunks when one layer's exchanged attention tensors and their gradients exceed this
-# per rank: Llama-3-8B on sp 8 reaches it at about 210K tokens.
-AUTO_MIN_BYTES = 1 << 30
-
-
-# ---------------------------------------------------------------------------
-# The plan: which heads each chunk holds
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One chunk: its query heads and kv heads among this rank's (``[start, stop)``),
-    whether its k/v are exchanged with it (a group's first chunk) and whether their
-    gradients go back after it (a group's last)."""
-
-    q: tuple[int, int]
-    kv: tuple[int, int]
-    kv_first: bool = True
-    kv_last: bool = True
-
-
-def valid_head_chunks(q_heads: int, kv_heads: int) -> list[int]:
-    """Chunk counts over ``q_heads`` query and ``kv_heads`` kv heads (per rank) that follow the kv groups."""
-    group = q_heads // kv_heads
-    return sorted(set(divisors(kv_heads)) | {kv_heads * d for d in divisors(group)})
-
-
-def check_head_chunks(value, q_heads: int, kv_heads: int, where: str = "head_chunks") -> int | None:
-    """``value`` if it is None (auto) or a count :func:`valid_head_chunks` allows, else ValueError."""
-    if value is None:
-        return None
-    valid = valid_head_chunks(q_heads, kv_heads)
-    if isinstance(value, bool) or not isinstance(value, int) or value not in valid:
-        raise ValueError(
-            f"{where}={value!r}: a rank holds {q_heads} query and {kv_heads} kv heads after the exchange, and "
-            f"chunks follow the kv groups; valid: {valid} (1: no chunks), or None for a count from the shapes"
-        )
-    return value
-
-
-def recomputes_in_chunks(head_chunks: int | None, backend: str, patterns) -> bool:
-    """Whether chunks may run a kernel without a split backward (:class:`~.head_chunk_kernels.RecomputeSplit`:
-    soft-capping or sinks, ``flex``, ``flash_attn``, ``cudnn`` with a mask), which torch.compile
-    cannot trace in one graph: the blocks are then compiled with graph breaks allowed."""
-    if head_chunks == 1:
-        return False
-    return bool({"softcap", "sinks"} & set(patterns)) or backend in ("flex", "flash_attn", "cudnn")
-
-
-def chunk_plan(chunks: int, q_heads: int, kv_heads: int) -> tuple[Chunk, ...]:
-    """The chunks of ``q_heads`` / ``kv_heads`` per rank, in order."""
-    check_head_chunks(chunks, q_heads, kv_heads)
-    nq = q_heads // chunks
-    if chunks <= kv_heads:
-        nk = kv_heads // chunks
-        return tuple(Chunk((c * nq, (c + 1) * nq), (c * nk, (c + 1) * nk)) for c in range(chunks))
-    per_group = chunks // kv_heads
-    return tuple(Chunk((c * nq, (c + 1) * nq), (c // per_group, c // per_group + 1), c % per_group == 0,
-                       c % per_group == per_group - 1) for c in range(chunks))
-
-
-def auto_head_chunks(batch: int, seq: int, q_heads: int, kv_heads: int, head_dim: int, v_head_dim: int,
-                     element_size: int) -> int:
-    """One query head per chunk when q, k, v, the output and their gradients, for this rank's
-    heads over the whole sequence (``seq`` tokens), exceed :data:`AUTO_MIN_BYTES`; else 1."""
-    working = 2 * batch * seq * element_size * (q_heads + kv_heads) * (head_dim + v_head_dim)
-    return q_heads if working >= AUTO_MIN_BYTES else 1
-
-
-def resolve_head_chunks(setting: int | None, batch: int, seq: int, q_heads: int, kv_heads: int, head_dim: int,
-                        v_head_dim: int, element_size: int) -> int:
-    """The chunk count a call runs: ``setting``, or :func:`auto_head_chunks` for None."""
-    if setting is not None:
-        return check_head_chunks(setting, q_heads, kv_heads)
-    return auto_head_chunks(batch, seq, q_heads, kv_heads, head_dim, v_head_dim, element_size)
-
+__all__ = ["after_chunked_backward", "chunked_calls", "edge_chunks_only", "edges_only", "head_chunked_attention"]
 
 # ---------------------------------------------------------------------------
 # The exchange of one chunk's heads, on local tensors

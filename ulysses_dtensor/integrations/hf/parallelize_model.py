@@ -44,7 +44,7 @@ from ulysses_dtensor.models.llama_parallelize import (
     needs_rng_replay,
     shard_model,
 )
-from ulysses_dtensor.parallel.head_chunks import recomputes_in_chunks
+from ulysses_dtensor.parallel.head_chunk_plan import recomputes_in_chunks
 from ulysses_dtensor.parallel.mesh import ParallelMesh
 from ulysses_dtensor.parallel.ring_layout import layout_position_ids
 from ulysses_dtensor.parallel.tensor_parallel import check_tp_heads, hf_tp_plan, tensor_parallelize
