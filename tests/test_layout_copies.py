@@ -108,19 +108,25 @@ def test_layout_copy_bytes_equal_the_formulas():
 # ---------------------------------------------------------------------------
 
 
-def _llama_step(pmesh, flavor: str, opts: dict, rows: int, grouped: bool) -> tuple[float, dict]:
+def llama_step(pmesh, args, opts: dict, rows: int, **attention) -> tuple[float, dict]:
+    """One forward and backward of our Llama of ``args`` parallelized with ``opts`` on ``pmesh``,
+    ``rows`` sequences of the test batch per dp rank: the global loss and every local gradient.
+    ``attention``: attributes set on every attention module once parallelized (``grouped_qkv``,
+    ``recompute_qk_norm_inputs``)."""
     import test_parallelize as tp
 
-    from ulysses_dtensor.models.llama import Llama, llama_args
+    from ulysses_dtensor.models.llama import Attention, Llama
     from ulysses_dtensor.models.llama_parallelize import parallelize_llama
     from ulysses_dtensor.parallel.batch import shard_batch
     from ulysses_dtensor.parallel.loss import global_loss, sp_cross_entropy
 
     with torch.device("meta"):
-        model = Llama(llama_args(flavor))
-    for block in model.layers.values():
-        block.attention.grouped_qkv = grouped
+        model = Llama(args)
     parallelize_llama(model, pmesh, **opts)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            for name, value in attention.items():
+                setattr(m, name, value)
     model.to_empty(device="cpu")
     model.init_weights(tp.SEED)
     batch = tp.global_batch(0, model.args.vocab_size)
@@ -146,12 +152,14 @@ MESHES = {"dp_shard 2 x sp 2": dict(dp_shard=2, sp=2), "sp 4": dict(sp=4), "ring
 
 
 def _llama_worker(rank: int, world: int) -> list[dict]:
+    from ulysses_dtensor.models.llama import llama_args
+
     rows = []
     for where, cases in LLAMA_CASES.items():
         pmesh = ParallelDims(**MESHES[where]).build_mesh("cpu")
         for flavor, opts, n in cases:
-            loss_4d, grads_4d = _llama_step(pmesh, flavor, opts, n, grouped=False)
-            loss, grads = _llama_step(pmesh, flavor, opts, n, grouped=True)
+            loss_4d, grads_4d = llama_step(pmesh, llama_args(flavor), opts, n, grouped_qkv=False)
+            loss, grads = llama_step(pmesh, llama_args(flavor), opts, n, grouped_qkv=True)
             worst = max([abs(loss - loss_4d) / abs(loss_4d)] + [_rel(grads[k], g) for k, g in grads_4d.items()])
             rows.append({"mesh": where, "case": f"{flavor} {opts} batch {n}", "rel": worst})
         destroy_subgroups()

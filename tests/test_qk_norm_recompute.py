@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from distributed import run_ranks
+from test_layout_copies import llama_step
 
 from ulysses_dtensor.models.llama import Attention, llama_args
 
@@ -49,31 +50,6 @@ def test_the_norms_keep_the_normed_input_not_the_projections():
     assert kept - recomputed == q_and_k, (kept, recomputed, q_and_k)
 
 
-def _step(pmesh, opts: dict, recompute: bool, grouped: bool):
-    import test_parallelize as tp
-
-    from ulysses_dtensor.models.llama import Llama
-    from ulysses_dtensor.models.llama_parallelize import parallelize_llama
-    from ulysses_dtensor.parallel.batch import shard_batch
-    from ulysses_dtensor.parallel.loss import global_loss, sp_cross_entropy
-
-    with torch.device("meta"):
-        model = Llama(llama_args("debug", **QWEN_LIKE))
-    parallelize_llama(model, pmesh, **opts)
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.recompute_qk_norm_inputs, m.grouped_qkv = recompute, grouped
-    model.to_empty(device="cpu")
-    model.init_weights(tp.SEED)
-    batch = {k: v[:1] for k, v in tp.global_batch(0, model.args.vocab_size).items()}
-    local = shard_batch(batch, pmesh.sp)
-    logits = model(local["input_ids"], local["position_ids"], local["document_ids"])
-    loss = sp_cross_entropy(logits, local["labels"], pmesh.loss)
-    loss.backward()
-    grads = {tp.canonical(n): p.grad.to_local().clone() for n, p in model.named_parameters()}
-    return global_loss(loss.detach(), pmesh.loss).item(), grads
-
-
 CASES = [
     ({"ac_mode": "full", "save_attention": True, "head_chunks": 2}, True),
     ({"ac_mode": "full", "offload_activations": True}, True),
@@ -88,8 +64,9 @@ def _worker(rank, world):
     for sp in (2, 1):
         pmesh = ParallelDims(sp=sp, dp_shard=world // sp).build_mesh("cpu")
         for opts, grouped in CASES:
-            kept = _step(pmesh, opts, False, grouped)
-            recomputed = _step(pmesh, opts, True, grouped)
+            args = llama_args("debug", **QWEN_LIKE)
+            kept = llama_step(pmesh, args, opts, 1, recompute_qk_norm_inputs=False, grouped_qkv=grouped)
+            recomputed = llama_step(pmesh, args, opts, 1, recompute_qk_norm_inputs=True, grouped_qkv=grouped)
             same = kept[0] == recomputed[0] and all(torch.equal(g, recomputed[1][k]) for k, g in kept[1].items())
             out.append((sp, str(opts), grouped, same, len(kept[1])))
     return out

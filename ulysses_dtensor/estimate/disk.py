@@ -25,9 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Layers' worth of offloaded bytes in the pinned staging area: one being written to (or
-# read from) the disk while the next is copied in (or used). The disk tier's own rule.
-STAGING_LAYERS = 2
+# Layers' worth of offloaded bytes in the pinned staging area: the disk tier's own rule.
+from ..memory.disk_offload import STAGING_LAYERS
 # Disk bandwidth per GPU assumed by default, GB/s (1e9 bytes), each way: a local NVMe
 # drive's sustained sequential write is a few GB/s. Pass the figure measured on the machine.
 DISK_GBPS = 3.0

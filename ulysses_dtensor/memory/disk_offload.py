@@ -155,7 +155,6 @@ class _IO:
         self.error: BaseException | None = None
         self.in_use = 0  # staging bytes held by chunks now
         self.peak = 0  # the most staging bytes ever held at once
-        self.waits = 0  # times a caller found the staging area full
         self.written = self.read = 0  # bytes, in total
         self.thread = threading.Thread(target=self._run, name="ulysses-offload-io", daemon=True)
         self.thread.start()
@@ -163,8 +162,6 @@ class _IO:
     # -- the staging area's chunks (either thread) -------------------------------------
     def acquire(self) -> int:
         with self.cv:
-            if not self.staging.free and self.error is None:
-                self.waits += 1
             while not self.staging.free and self.error is None:
                 self.cv.wait()
             if self.error is not None:
@@ -336,11 +333,6 @@ class DiskStore:
     def staging_peak_bytes(self) -> int:
         """The most staging bytes ever held at once (0 before the first write)."""
         return self._io.peak if self._io is not None else 0
-
-    @property
-    def staging_waits(self) -> int:
-        """How often a copy out waited for the staging area (it was full)."""
-        return self._io.waits if self._io is not None else 0
 
     @property
     def bytes_written(self) -> int:
